@@ -1,0 +1,41 @@
+# vitsweep's two commands: `make demo` (the embedded default training run) and `make test`.
+# Both install first; `make setup` is idempotent and re-runs only when the dependency set changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.vitsweep-setup
+# FFCV compiles against these and loads them at run time (ffcv 1.0.2).
+SYSTEM_PACKAGES := pkg-config g++ libturbojpeg0-dev libopencv-dev
+
+.PHONY: setup demo test system-packages
+.DEFAULT_GOAL := test
+
+setup: $(STAMP)
+
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: installing FFCV's system libraries: $$missing"; \
+	  command -v apt-get >/dev/null || { echo "setup: apt-get not found; install these Debian packages by hand: $$missing" >&2; exit 1; }; \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null \
+	    || { echo "setup: apt-get could not install: $$missing" >&2; exit 1; }; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt | system-packages
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/python -c "import torch, torchvision, timm, ray, deepspeed, ffcv, mlflow, pipeline, models" \
+	  || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }
+	@touch $(STAMP)
+	@echo "setup: ready ($(VENV))"
+
+demo: setup
+	$(BIN)/vitsweep train
+
+# pytest exits 5 when it collected no tests: that is a failure too (nothing was shown).
+test: setup
+	@$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$status

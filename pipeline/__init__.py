@@ -1,0 +1,1 @@
+"""vitsweep's training and sweep pipeline: config, data, training, tracking, sweeps, CLI."""

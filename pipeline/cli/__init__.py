@@ -1,0 +1,45 @@
+"""The `vitsweep` command. Each subcommand group lives in its own module with ``add_parser``.
+
+Exit codes: 0 success, 2 invalid input (config, path, dataset), 1 failure at run time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.cli import config, doctor, models, pending
+from pipeline.errors import InvalidInputError
+
+EXIT_OK, EXIT_FAILURE, EXIT_INVALID_INPUT = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vitsweep",
+        description="Train and sweep compact vision transformers with FFCV, DeepSpeed, Ray and MLflow.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    pending.add_train_parser(commands)
+    pending.add_tune_parser(commands)
+    pending.add_compare_parser(commands)
+    pending.add_data_parser(commands)
+    models.add_parser(commands)
+    config.add_parser(commands)
+    doctor.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exit_.code or 0)
+    try:
+        return int(args.run(args) or EXIT_OK)
+    except InvalidInputError as err:
+        print(f"vitsweep {args.command}: {err}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
+    except KeyboardInterrupt:
+        print(f"vitsweep {args.command}: interrupted", file=sys.stderr)
+        return EXIT_FAILURE

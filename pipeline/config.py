@@ -1,0 +1,324 @@
+"""The experiment config: one validated object, the source of truth for every run.
+
+Loaded from a YAML preset shipped in ``pipeline/presets/`` or a user's YAML file, then
+overridden with dotted keys (``--set optim.lr=1e-3``). Everything downstream (DeepSpeed JSON,
+Ray scaling, FFCV pipelines, MLflow params) is derived from this object, never re-typed.
+Defaults follow the DeiT recipe the papers train with.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (a misspelt key must never be silently ignored); values are
+    # re-validated when assigned so a config never holds an invalid value.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which registered model to build, and the keyword overrides it is built with."""
+
+    name: str = "xcit_nano_12_p16"
+    # Keyword overrides for timm.create_model(name, **args): qkv, code_size, head, mgcrp_heads, ...
+    args: dict[str, Any] = Field(default_factory=dict)
+    img_size: int = Field(32, ge=8, le=1024)
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        import timm
+
+        import models  # noqa: F401  (registers vitsweep's variants)
+
+        if not timm.is_model(name):
+            close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+            hint = f"; did you mean one of {close}" if close else ""
+            raise ValueError(f"{name!r} is not a registered model{hint} (see `vitsweep models list`)")
+        return name
+
+    @field_validator("args")
+    @classmethod
+    def _args_are_not_top_level_fields(cls, args: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"img_size", "drop_path_rate", "num_classes", "pretrained"} & args.keys()
+        if reserved:
+            raise ValueError(f"set {sorted(reserved)} as model.<key>, not inside model.args")
+        return args
+
+
+class AugmentConfig(_Section):
+    """DeiT's batch recipe (papers 000-004 all train with it); 0 / null switches a part off."""
+
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec: 9 ops magnitude, std 0.5
+    mixup_alpha: float = Field(0.8, ge=0.0)
+    cutmix_alpha: float = Field(1.0, ge=0.0)
+    mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
+    mixup_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    random_erasing: float = Field(0.25, ge=0.0, le=1.0)
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+
+
+class DataConfig(_Section):
+    """FFCV datasets and loader options; paths may be local or URIs (s3://, gs://, file://)."""
+
+    train: str = "vitsweep-runs/data/digits_32_train.beton"
+    val: str = "vitsweep-runs/data/digits_32_val.beton"
+    # Write the offline `digits` dataset to `train`/`val` when they do not exist yet (demo, tests).
+    prepare: Literal["digits"] | None = None
+    num_workers: int = Field(2, ge=1, le=256)
+    order: Literal["random", "sequential", "quasi_random"] = "random"
+    os_cache: bool = True
+    batches_ahead: int = Field(2, ge=1, le=64)
+    drop_last: bool = True
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    val_crop_ratio: float = Field(1.0, gt=0.0, le=1.0)  # XCiT evaluates at 1.0, DeiT at 0.875
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    cache_dir: str | None = None  # node-local staging directory; default: under run.storage_path
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+
+    @field_validator("crop_scale", "crop_ratio")
+    @classmethod
+    def _ordered_positive_range(cls, bounds: tuple[float, float]) -> tuple[float, float]:
+        low, high = bounds
+        if not 0 < low <= high:
+            raise ValueError(f"need 0 < low <= high, got ({low}, {high})")
+        return bounds
+
+    @field_validator("crop_scale")
+    @classmethod
+    def _scale_at_most_one(cls, bounds: tuple[float, float]) -> tuple[float, float]:
+        if bounds[1] > 1.0:
+            raise ValueError(f"a crop covers at most the whole image (scale <= 1.0), got {bounds[1]}")
+        return bounds
+
+
+class ScheduleConfig(_Section):
+    """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe)."""
+
+    name: Literal["cosine", "constant"] = "cosine"
+    warmup_epochs: float = Field(5.0, ge=0.0)
+    warmup_lr: float = Field(1e-6, ge=0.0)
+    min_lr: float = Field(1e-5, ge=0.0)
+
+
+class OptimConfig(_Section):
+    """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size."""
+
+    lr: float = Field(5e-4, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    epochs: int = Field(300, ge=1)
+    micro_batch_size: int = Field(64, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    grad_clip: float | None = Field(None, gt=0.0)  # max grad norm; null = no clipping
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {betas}")
+        return betas
+
+    @model_validator(mode="after")
+    def _warmup_within_training(self) -> OptimConfig:
+        if self.schedule.warmup_epochs > self.epochs:
+            raise ValueError(
+                f"schedule.warmup_epochs={self.schedule.warmup_epochs} exceeds epochs={self.epochs}"
+            )
+        return self
+
+
+class DeepSpeedConfig(_Section):
+    """The DeepSpeed engine: ZeRO stage and precision (the JSON is derived from the whole config)."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer state to CPU (stages 1-3)
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> DeepSpeedConfig:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3, got zero_stage=0")
+        return self
+
+
+class ScalingConfig(_Section):
+    """Ray Train workers; on a GPU cluster, one worker per GPU."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    gpus_per_worker: float = Field(0.0, ge=0.0)
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _gpus_consistent(self) -> ScalingConfig:
+        if self.use_gpu and self.gpus_per_worker == 0:
+            raise ValueError("use_gpu=true needs gpus_per_worker > 0")
+        if not self.use_gpu and self.gpus_per_worker > 0:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker} needs use_gpu=true")
+        return self
+
+
+class TrackingConfig(_Section):
+    """MLflow: where runs are recorded. No URI: a SQLite file under run.storage_path."""
+
+    mlflow_uri: str | None = None
+    experiment: str = Field("vitsweep", min_length=1)
+
+
+class RunConfig(_Section):
+    """Identity, storage, checkpointing and fault tolerance of one training run."""
+
+    name: str | None = None
+    storage_path: str = "./vitsweep-runs"
+    seed: int = Field(0, ge=0)
+    checkpoint_every: int = Field(1, ge=1)  # epochs between checkpoints
+    num_to_keep: int = Field(2, ge=1)
+    checkpoint_score: str = "val_top1"
+    max_failures: int = Field(0, ge=-1)  # -1: retry forever
+
+
+class ExperimentConfig(_Section):
+    """Everything one training run needs; sections mirror the pipeline's components."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _precision_fits_hardware(self) -> ExperimentConfig:
+        if self.deepspeed.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError(
+                "deepspeed.precision='fp16' needs GPUs (scaling.use_gpu=true); on CPU use 'bf16' or 'fp32'"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Every resolved value under its dotted key (MLflow params, sweep keys)."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _read_yaml(source: str) -> dict[str, Any]:
+    """A preset name (``smoke``) or a path to a YAML file."""
+    path = Path(source)
+    if path.suffix not in (".yaml", ".yml"):
+        if source not in available_presets():
+            raise ConfigError(
+                f"config {source!r} is neither a preset ({', '.join(available_presets())}) nor a .yaml file"
+            )
+        path = PRESET_DIR / f"{source}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(tree).__name__}")
+    return tree
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """``optim.lr=1e-3`` -> (["optim", "lr"], 0.001). Values are read as YAML scalars/lists."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {assignment!r} must look like section.key=value")
+    path = key.strip().split(".")
+    if any(not part for part in path):
+        raise ConfigError(f"override key {key!r} has an empty part")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; numbers should be numbers
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return path, value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for assignment in overrides:
+        path, value = parse_override(assignment)
+        node = tree
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {assignment!r}: {'.'.join(path[:-1])} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return tree
+
+
+def _section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The valid keys of the section holding ``loc`` (for 'unknown key' errors)."""
+    section: type[BaseModel] = ExperimentConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        section = field.annotation
+    return list(section.model_fields)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"]) or "<config>"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        valid = _section_keys(error["loc"])
+        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{key}: unknown key{hint}; valid keys here: {', '.join(valid)}"
+    return f"{key} = {error['input']!r}: {message}"
+
+
+def validate(tree: dict[str, Any]) -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(tree)
+    except ValidationError as err:
+        lines = [_describe(e) for e in err.errors(include_url=False)]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(source: str | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load a preset or YAML file (default preset: ``default``), apply ``--set`` overrides, validate."""
+    tree = _read_yaml(source or "default")
+    return validate(apply_overrides(tree, list(overrides or [])))
