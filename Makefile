@@ -25,7 +25,6 @@ system-packages:
 
 $(STAMP): pyproject.toml constraints.txt | system-packages
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	$(BIN)/python -c "import torch, torchvision, timm, ray, deepspeed, ffcv, mlflow, pipeline, models" \
 	  || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }

@@ -10,6 +10,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
+from pipeline.config import ExperimentConfig, load_config
 
 
 def add_parser(commands) -> None:
@@ -68,26 +69,23 @@ def _timm() -> str:
     return f"timm {timm.__version__}; vitsweep variants registered: {len(models.VARIANTS)}"
 
 
-def _mlflow(args: argparse.Namespace) -> str:
+def _mlflow(cfg: ExperimentConfig) -> str:
     import mlflow
 
-    from pipeline.config import load_config
     from pipeline.tracking import check_reachable, resolve_tracking_uri
 
-    uri = resolve_tracking_uri(load_config(args.config, args.overrides))
-    return f"mlflow {mlflow.__version__}; {check_reachable(uri)}"
+    return f"mlflow {mlflow.__version__}; {check_reachable(resolve_tracking_uri(cfg))}"
 
 
-def _disk(args: argparse.Namespace) -> str:
-    from pipeline.config import load_config
-
-    storage = Path(load_config(args.config, args.overrides).run.storage_path).expanduser().resolve()
+def _disk(cfg: ExperimentConfig) -> str:
+    storage = Path(cfg.run.storage_path).expanduser().resolve()
     existing = next(p for p in [storage, *storage.parents] if p.exists())
     free_gb = shutil.disk_usage(existing).free / 1e9
     return f"{free_gb:.1f} GB free at {existing} (run storage: {storage})"
 
 
 def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # an invalid config exits 2 before any check
     checks: list[tuple[str, Callable[[], str]]] = [
         ("python", lambda: f"{platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs"),
         ("torch", _torch),
@@ -95,8 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         ("deepspeed", _deepspeed),
         ("ffcv", _ffcv),
         ("ray", _ray),
-        ("mlflow", lambda: _mlflow(args)),
-        ("disk", lambda: _disk(args)),
+        ("mlflow", lambda: _mlflow(cfg)),
+        ("disk", lambda: _disk(cfg)),
     ]
     failed = 0
     for name, check in checks:
