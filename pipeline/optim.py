@@ -1,0 +1,48 @@
+"""Optimisation: AdamW parameter groups and the per-step warmup + cosine schedule (DeiT recipe)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from timm.optim import param_groups_weight_decay
+from torch import nn
+
+from pipeline.config import OptimConfig
+
+# Besides 1-D tensors (norms, biases, F-SNE codes) and what a model's no_weight_decay() names,
+# these never decay: XCiT's per-head temperatures are [heads, 1, 1], so the 1-D rule misses them.
+NO_WEIGHT_DECAY_PATTERNS = ("*temperature", "*pos_embed*", "*cls_token*", "*dist_token*")
+
+
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    declared = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    return set(declared) | set(NO_WEIGHT_DECAY_PATTERNS)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch's AdamW (DeepSpeed's config optimizer would JIT-compile FusedAdam on CPU)."""
+    groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_weight_decay_names(model))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_at(step: int, total_steps: int, steps_per_epoch: int, cfg: OptimConfig) -> float:
+    """Learning rate at optimizer step ``step``: linear warmup from warmup_lr, then cosine to min_lr."""
+    schedule = cfg.schedule
+    warmup_steps = round(schedule.warmup_epochs * steps_per_epoch)
+    if step < warmup_steps:
+        return schedule.warmup_lr + (cfg.lr - schedule.warmup_lr) * step / warmup_steps
+    if schedule.name == "constant":
+        return cfg.lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return schedule.min_lr + 0.5 * (cfg.lr - schedule.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A per-step scheduler whose state (its step count) is checkpointed with the engine."""
+    total_steps = cfg.epochs * steps_per_epoch
+    # LambdaLR scales each group's base lr (cfg.lr) by the returned factor.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, total_steps, steps_per_epoch, cfg) / cfg.lr
+    )
