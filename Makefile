@@ -8,10 +8,10 @@ STAMP := $(VENV)/.vitsweep-setup
 # FFCV compiles against these and loads them at run time (ffcv 1.0.2).
 SYSTEM_PACKAGES := pkg-config g++ libturbojpeg0-dev libopencv-dev
 
-.PHONY: setup demo test system-packages
+.PHONY: setup demo test system-packages deepspeed-cpu-ops
 .DEFAULT_GOAL := test
 
-setup: $(STAMP)
+setup: $(STAMP) deepspeed-cpu-ops
 
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
@@ -30,6 +30,17 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 	  || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }
 	@touch $(STAMP)
 	@echo "setup: ready ($(VENV))"
+
+# Without a GPU, DeepSpeed JIT-compiles its shared-memory comm op on first start (minutes); build
+# it once here, into torch's extension cache, so no training run or test pays for it.
+TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
+deepspeed-cpu-ops: $(STAMP)
+	@if ! $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then :; \
+	elif ls -d $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so >/dev/null 2>&1; then :; \
+	else echo "setup: building DeepSpeed's CPU comm op once (a few minutes)"; \
+	  DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+	    get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
+	  || { echo "setup: DeepSpeed's CPU comm op failed to build (needs g++)" >&2; exit 1; }; fi
 
 demo: setup
 	$(BIN)/vitsweep train
