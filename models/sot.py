@@ -1,0 +1,550 @@
+"""SoT: second-order transformer (paper 004, "SoT: Delving Deeper into Classification Head for Transformer").
+
+Everything SoT lives here:
+
+* the classification head (§3.2, Eq. 1): the class token and the pooled word tokens fused by one of
+  four schemes (sum, concat, aggr_all, late); word tokens pooled by GAP, GCP (iSQRT matrix square
+  root) or MGCrP (multi-headed cross-covariance + svPN, ``models.layers``). Any backbone that hands
+  over its final normalised token sequence can use it, via ``create_classifier_head``;
+* the DenseNet-block token embedding (appendix A, Fig. S-1), a drop-in ``embed_layer`` for timm's
+  ``VisionTransformer``;
+* the SoT models (Table S-1): SoT-Tiny/Small/Base and the 7-layer model of the ablations (Tables 3-4),
+  timm ``VisionTransformer`` blocks between the two.
+
+Counting convention of the paper's FLOPs (Tables 3a, 5, S-1): multiply-adds of convolutions and
+linear layers only, as the authors' ``thop`` profiling does; the attention's QKᵀ and AV products are
+not counted (e.g. SoT-Tiny: 2.53 GMACs without them, 2.75 with; the paper says 2.5).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models.densenet import DenseBlock, DenseTransition
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from models._registry import PaperFacts, register_variant
+from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
+
+__all__ = [
+    "SOT_HEAD_KWARGS",
+    "SOT_FUSIONS",
+    "SOT_POOLINGS",
+    "CLASSIFIER_HEADS",
+    "create_classifier_head",
+    "LinearTokenHead",
+    "SoTHead",
+    "GlobalCovariancePooling",
+    "DenseNetTokenEmbed",
+    "SoT",
+]
+
+CLASSIFIER_HEADS = ("linear", "sot")
+SOT_FUSIONS = ("sum", "concat", "aggr_all", "late")
+SOT_POOLINGS = ("mgcrp", "gcp", "gap")
+# Keyword arguments SoTHead accepts (beyond embed_dim, num_classes, has_class_token); stable API.
+SOT_HEAD_KWARGS = frozenset({
+    "fusion",
+    "pooling",
+    "mgcrp_heads",
+    "mgcrp_m",
+    "mgcrp_n",
+    "repr_size",
+    "mgcrp_norm",
+    "svpn_alpha",
+    "svpn_num_sv",
+    "svpn_iters",
+    "mgcrp_dropout",
+    "gcp_iters",
+})
+
+
+# --------------------------------------------------------------------------------------------------
+# Classification heads
+# --------------------------------------------------------------------------------------------------
+
+class LinearTokenHead(nn.Module):
+    """The conventional head: a linear classifier on the class token, or on the mean of the tokens
+    when the backbone has no class token. Takes [B, T, C] tokens, returns [B, num_classes] logits."""
+
+    def __init__(self, embed_dim: int, num_classes: int, *, has_class_token: bool = True):
+        super().__init__()
+        self.has_class_token = has_class_token
+        self.num_features = embed_dim
+        self.fc = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = tokens[:, 0] if self.has_class_token else tokens.mean(dim=1)
+        return x if pre_logits else self.fc(x)
+
+
+class TokenMean(nn.Module):
+    """GAP over tokens, (1/q) Z 1 (Table 2)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.mean(dim=1)
+
+
+def isqrt_newton_schulz(cov: torch.Tensor, iters: int) -> torch.Tensor:
+    """Matrix square root of SPD ``cov`` [B, d, d] by iSQRT (Li et al. 2018, ref. [23]).
+
+    Pre-normalise by the trace so the coupled Newton-Schulz iteration converges, iterate
+    Y ← ½Y(3I - ZY), Z ← ½(3I - ZY)Z, then post-compensate by √trace.
+    """
+    eye = torch.eye(cov.shape[-1], device=cov.device, dtype=cov.dtype).expand_as(cov)
+    trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-12)[:, None, None]
+    y, z = cov / trace, eye
+    for _ in range(iters):
+        t = 0.5 * (3.0 * eye - z @ y)
+        y, z = y @ t, t @ z
+    return y * trace.sqrt()
+
+
+class GlobalCovariancePooling(nn.Module):
+    """GCP with matrix power normalisation (Table 2): reduce tokens to d dims, (1/q) X Xᵀ, iSQRT
+    square root, upper triangle as a d(d+1)/2 vector (the covariance is symmetric)."""
+
+    def __init__(self, dim: int, cov_dim: int, iters: int = 5):
+        super().__init__()
+        self.reduce = nn.Linear(dim, cov_dim)
+        self.iters = iters
+        self.repr_size = cov_dim * (cov_dim + 1) // 2
+        self.register_buffer("triu", torch.triu_indices(cov_dim, cov_dim).flatten(), persistent=False)
+        self.cov_dim = cov_dim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.reduce(tokens).float()  # Newton-Schulz needs full precision
+        cov = x.mT @ x / x.shape[1]
+        root = isqrt_newton_schulz(cov, self.iters)
+        rows, cols = self.triu.view(2, -1)
+        return root[:, rows, cols].to(tokens.dtype)
+
+
+def _resolve_mgcrp_shape(heads: int, m: int | None, n: int | None, repr_size: int | None) -> tuple[int, int]:
+    """(m, n) of MGCrP from whichever of m, n, repr_size = heads·m·n were given (paper: m = n)."""
+    if heads < 1:
+        raise ValueError(f"mgcrp_heads={heads!r} is invalid; it must be >= 1")
+    if m is None and n is None:
+        if repr_size is None:
+            return 14, 14  # 6·14·14 = 1176, the 7-layer / SoT-Tiny choice (Tables 4a, S-1)
+        side = math.isqrt(repr_size // heads) if repr_size > 0 else 0
+        if side < 1 or heads * side * side != repr_size:
+            raise ValueError(
+                f"repr_size={repr_size!r} is not mgcrp_heads·m·m for mgcrp_heads={heads} and an integer m "
+                f"(paper: m = n); pass mgcrp_m/mgcrp_n or a repr_size such as {heads * 14 * 14}"
+            )
+        return side, side
+    m = n if m is None else m
+    n = m if n is None else n
+    if repr_size is not None and heads * m * n != repr_size:
+        raise ValueError(
+            f"repr_size={repr_size!r} does not match mgcrp_heads·mgcrp_m·mgcrp_n = {heads}·{m}·{n} = {heads * m * n}"
+        )
+    return m, n
+
+
+class SoTHead(nn.Module):
+    """SoT classification head (§3.2): class token + pooled word tokens, fused (Eq. 1).
+
+    Takes the backbone's final normalised tokens [B, T, C] (class token first when
+    ``has_class_token``) and returns [B, num_classes] logits.
+
+    Args:
+        embed_dim: C, the token dimension.
+        num_classes: classes; 0 returns the pre-logits representation instead.
+        has_class_token: whether tokens[:, 0] is a class token. Without one (e.g. Swin) every token
+            is a word token and the head is FC(pool(tokens)) (the paper's "MGCrP in place of GAP").
+        fusion: how class token z₀ and word tokens Z meet (Eq. 1, Table 3b): 'sum' FC(z₀) + FC(pool(Z))
+            (the paper's choice), 'concat' FC([z₀, pool(Z)]), 'aggr_all' FC(pool([z₀, Z])),
+            'late' softmax(FC(z₀)) + softmax(FC(pool(Z))). Default: 'sum' with a class token,
+            'aggr_all' without.
+        pooling: word-token pooling (Table 2): 'mgcrp' (paper's), 'gcp' (iSQRT-normalised covariance)
+            or 'gap'.
+        mgcrp_heads: h, MGCrP heads; paper default 6 (Table 4a).
+        mgcrp_m, mgcrp_n: m x n of each head's cross-covariance; default 14 x 14 (SoT-Tiny), 24 for
+            SoT-Small, 38 for SoT-Base (Table S-1). Either alone sets both (the paper uses m = n).
+        repr_size: pooled size h·m·n for MGCrP; an alternative to mgcrp_m/n (must agree when both are
+            given). For GCP it sets the covariance dim d = ⌊√(2·repr_size)⌋ (d(d+1)/2 values, 1176
+            for d = 48 as in Table 3b); it defaults to h·m·n so GCP and MGCrP match in size. For GAP
+            it can only be embed_dim.
+        mgcrp_norm: normalisation of each MGCrP matrix: 'svpn_approx' (Eq. 8, default), 'svpn'
+            (exact Eq. 5), or Table 4d's 'none', 'scale' (learned 1/τ), 'epn', 'ln'.
+        svpn_alpha: α of svPN (Eq. 5), in (0, 1]; default 0.5 (Table 4c).
+        svpn_num_sv: #sv of the approximate svPN; default 1 (Table 4c).
+        svpn_iters: #iter of the approximate svPN; default 1 (Table 4c).
+        mgcrp_dropout: dropout on the pooled word-token representation ("MGCrP dropout", Table S-3:
+            0.0 SoT-Tiny, 0.5 Small, 0.7 Base).
+        gcp_iters: Newton-Schulz iterations of GCP's iSQRT; default 5 (iSQRT-COV's).
+
+    'late' returns log(½(softmax(a) + softmax(b))): the log of the averaged scores, so the head keeps
+    the logits contract (argmax = argmax of the summed scores; softmax of it = the averaged scores).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_classes: int,
+        *,
+        has_class_token: bool = True,
+        fusion: str | None = None,
+        pooling: str = "mgcrp",
+        mgcrp_heads: int = 6,
+        mgcrp_m: int | None = None,
+        mgcrp_n: int | None = None,
+        repr_size: int | None = None,
+        mgcrp_norm: str = "svpn_approx",
+        svpn_alpha: float = 0.5,
+        svpn_num_sv: int = 1,
+        svpn_iters: int = 1,
+        mgcrp_dropout: float = 0.0,
+        gcp_iters: int = 5,
+    ):
+        super().__init__()
+        if fusion is None:
+            fusion = "sum" if has_class_token else "aggr_all"
+        if fusion not in SOT_FUSIONS:
+            raise ValueError(f"unknown fusion={fusion!r}; valid: {', '.join(SOT_FUSIONS)}")
+        if not has_class_token and fusion != "aggr_all":
+            raise ValueError(
+                f"fusion={fusion!r} needs a class token, but has_class_token=False; "
+                "without one only 'aggr_all' (pool every token) applies"
+            )
+        if pooling not in SOT_POOLINGS:
+            raise ValueError(f"unknown pooling={pooling!r}; valid: {', '.join(SOT_POOLINGS)}")
+        if not 0.0 <= mgcrp_dropout < 1.0:
+            raise ValueError(f"mgcrp_dropout={mgcrp_dropout!r} is invalid; it must lie in [0, 1)")
+        if not 0.0 < svpn_alpha <= 1.0:
+            raise ValueError(f"svpn_alpha={svpn_alpha!r} is invalid; it must lie in (0, 1] (paper Eq. 5)")
+        if mgcrp_norm not in CROSS_COV_NORMS:
+            raise ValueError(f"unknown mgcrp_norm={mgcrp_norm!r}; valid: {', '.join(CROSS_COV_NORMS)}")
+        for name, value in (("svpn_num_sv", svpn_num_sv), ("svpn_iters", svpn_iters), ("gcp_iters", gcp_iters)):
+            if value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; it must be >= 1")
+        self.fusion, self.pooling_name = fusion, pooling
+        self.has_class_token = has_class_token
+
+        if pooling == "mgcrp":
+            m, n = _resolve_mgcrp_shape(mgcrp_heads, mgcrp_m, mgcrp_n, repr_size)
+            self.pool = MGCrP(
+                embed_dim, num_heads=mgcrp_heads, m=m, n=n, norm=mgcrp_norm,
+                alpha=svpn_alpha, num_sv=svpn_num_sv, iters=svpn_iters,
+            )
+        elif pooling == "gcp":
+            if repr_size is None:
+                m, n = _resolve_mgcrp_shape(mgcrp_heads, mgcrp_m, mgcrp_n, None)
+                repr_size = mgcrp_heads * m * n
+            if repr_size < 1:
+                raise ValueError(f"repr_size={repr_size!r} is invalid for pooling='gcp'; it must be >= 1")
+            self.pool = GlobalCovariancePooling(embed_dim, math.isqrt(2 * repr_size), iters=gcp_iters)
+        else:
+            if repr_size is not None and repr_size != embed_dim:
+                raise ValueError(
+                    f"repr_size={repr_size!r} is invalid for pooling='gap': GAP keeps embed_dim={embed_dim} values"
+                )
+            self.pool = TokenMean()
+            self.pool.repr_size = embed_dim
+        self.repr_size = self.pool.repr_size
+        self.repr_drop = nn.Dropout(mgcrp_dropout)
+
+        def linear(in_features: int) -> nn.Module:
+            return nn.Linear(in_features, num_classes) if num_classes > 0 else nn.Identity()
+
+        if fusion in ("sum", "late"):
+            self.cls_fc, self.word_fc = linear(embed_dim), linear(self.repr_size)
+            self.num_features = embed_dim + self.repr_size
+        elif fusion == "concat":
+            self.fc = linear(embed_dim + self.repr_size)
+            self.num_features = embed_dim + self.repr_size
+        else:
+            self.fc = linear(self.repr_size)
+            self.num_features = self.repr_size
+        self.num_classes = num_classes
+
+    def forward(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.fusion == "aggr_all":
+            pooled = self.repr_drop(self.pool(tokens))
+            return pooled if pre_logits else self.fc(pooled)
+        cls_token = tokens[:, 0]
+        pooled = self.repr_drop(self.pool(tokens[:, 1:]))
+        if pre_logits or self.num_classes == 0:
+            return torch.cat([cls_token, pooled], dim=-1)
+        if self.fusion == "sum":
+            return self.cls_fc(cls_token) + self.word_fc(pooled)
+        if self.fusion == "concat":
+            return self.fc(torch.cat([cls_token, pooled], dim=-1))
+        log_probs = torch.stack(
+            [F.log_softmax(self.cls_fc(cls_token), dim=-1), F.log_softmax(self.word_fc(pooled), dim=-1)]
+        )
+        return torch.logsumexp(log_probs, dim=0) - math.log(2.0)
+
+
+def create_classifier_head(
+    head: str,
+    embed_dim: int,
+    num_classes: int,
+    *,
+    has_class_token: bool = True,
+    **head_kwargs,
+) -> nn.Module:
+    """Build a classifier head taking the final normalised tokens [B, T, C] to [B, num_classes] logits.
+
+    ``head``: 'linear' (class token, or GAP without one) or 'sot' (SoTHead; ``head_kwargs`` from
+    SOT_HEAD_KWARGS).
+    """
+    if head == "linear":
+        if head_kwargs:
+            raise ValueError(f"head='linear' takes no head kwargs, got {sorted(head_kwargs)}")
+        return LinearTokenHead(embed_dim, num_classes, has_class_token=has_class_token)
+    if head == "sot":
+        unknown = set(head_kwargs) - SOT_HEAD_KWARGS
+        if unknown:
+            raise ValueError(f"unknown SoT head kwargs {sorted(unknown)}; valid: {sorted(SOT_HEAD_KWARGS)}")
+        return SoTHead(embed_dim, num_classes, has_class_token=has_class_token, **head_kwargs)
+    raise ValueError(f"unknown classifier head={head!r}; valid: {', '.join(CLASSIFIER_HEADS)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Token embedding (appendix A, Fig. S-1)
+# --------------------------------------------------------------------------------------------------
+
+class DenseNetTokenEmbed(nn.Module):
+    """SoT's token embedding: conv stem, three DenseNet blocks each halving the resolution, 1x1 conv
+    to the token size; [B, 3, H, W] -> [B, (H/16)·(W/16), embed_dim] word tokens (14x14 at 224 px).
+
+    Drop-in ``embed_layer`` for timm's VisionTransformer (same constructor arguments as PatchEmbed).
+
+    Args:
+        img_size: input resolution.
+        patch_size: the embedding's total stride; must equal what the structure gives (16, or 8
+            with ``last_downsample=False``) — it is not a free knob here.
+        in_chans: input channels.
+        embed_dim: token size.
+        bias: bias of the final 1x1 projection.
+        stem_dim: channels of the 3x3 stem conv (followed by a stride-2 max pool); 64.
+        block_layers: layers per DenseNet block; 6.
+        growth_rate: DenseNet growth rate k; 16.
+        bn_size: DenseNet bottleneck multiplier (1x1 conv to bn_size·k); 2.
+        transition_dim: channels after each transition; 128.
+        last_downsample: whether the last block halves the resolution; the 7-layer ablation model
+            drops it so its 112 px inputs still give 14x14 tokens (appendix A).
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int | tuple[int, int] | None = None,
+        in_chans: int = 3,
+        embed_dim: int = 240,
+        bias: bool = True,
+        dynamic_img_pad: bool = False,
+        stem_dim: int = 64,
+        block_layers: int = 6,
+        growth_rate: int = 16,
+        bn_size: int = 2,
+        transition_dim: int = 128,
+        last_downsample: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if dynamic_img_pad:
+            raise ValueError("dynamic_img_pad=True is not supported by DenseNetTokenEmbed; its convolutions pad themselves")
+        stride = 16 if last_downsample else 8
+        patch = (patch_size, patch_size) if isinstance(patch_size, int) else patch_size
+        if patch is not None and tuple(patch) != (stride, stride):
+            raise ValueError(
+                f"patch_size={patch_size!r} does not match DenseNetTokenEmbed's stride {stride} "
+                f"(last_downsample={last_downsample})"
+            )
+        self.last_downsample = last_downsample
+        self.patch_size = (stride, stride)
+        self.set_input_size(img_size)
+
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, stem_dim, kernel_size=3, stride=1, padding=1, **dd),
+            nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+        )
+        stages, channels = [], stem_dim
+        for i in range(3):
+            stages.append(DenseBlock(block_layers, channels, bn_size=bn_size, growth_rate=growth_rate, **dd))
+            transition = DenseTransition(channels + block_layers * growth_rate, transition_dim, **dd)
+            if i == 2 and not last_downsample:
+                transition.pool = nn.Identity()  # ablation model: keep the resolution in the last block
+            stages.append(transition)
+            channels = transition_dim
+        self.stages = nn.Sequential(*stages)
+        self.proj = nn.Conv2d(transition_dim, embed_dim, kernel_size=1, bias=bias, **dd)
+
+    def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """Token grid for an input of ``img_size``: the stem's max pool (k3, s2, p1) rounds up,
+        each transition's average pool (k2, s2) rounds down."""
+        def side(size: int) -> int:
+            size = (size - 1) // 2 + 1
+            for _ in range(3 if self.last_downsample else 2):
+                size //= 2
+            return size
+        return side(img_size[0]), side(img_size[1])
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size=None) -> None:
+        """Resize the expected input (timm's VisionTransformer.set_input_size); the stride is fixed."""
+        if patch_size is not None and tuple(patch_size) != self.patch_size:
+            raise ValueError(f"patch_size={patch_size!r} cannot change: DenseNetTokenEmbed's stride is {self.patch_size}")
+        if img_size is not None:
+            self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+            self.grid_size = self.dynamic_feat_size(self.img_size)
+            self.num_patches = self.grid_size[0] * self.grid_size[1]
+
+    def feat_ratio(self, as_scalar: bool = True):
+        return self.patch_size[0] if as_scalar else self.patch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.stages(self.stem(x)))
+        return x.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, HW, C]
+
+
+# --------------------------------------------------------------------------------------------------
+# SoT models (Table S-1)
+# --------------------------------------------------------------------------------------------------
+
+class SoT(VisionTransformer):
+    """SoT network (Fig. 1): DenseNet token embedding, timm ViT blocks, SoT classification head.
+
+    Args:
+        img_size, in_chans, num_classes: as for timm's VisionTransformer.
+        embed_dim: token size (Table S-1: 240 / 384 / 528).
+        depth: transformer layers (12 / 14 / 24; 7 for the ablation model).
+        num_heads: MSA heads (4 / 6 / 8).
+        mlp_ratio: MLP size / token size (600/240, 1344/384, 1584/528).
+        qkv_bias: the authors' blocks have no qkv bias.
+        last_downsample: False for the 7-layer ablation model (appendix A).
+        embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, ...).
+        head: 'sot' (default) or 'linear' (the class-token baseline of Table 3a).
+        head_defaults: the variant's SoT head settings (Table S-1 m, n; Table S-3 dropout), under any
+            head kwargs given explicitly; unused by head='linear'.
+        **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's), the rest to
+            timm's VisionTransformer (drop_path_rate, ...).
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 240,
+        depth: int = 12,
+        num_heads: int = 4,
+        mlp_ratio: float = 2.5,
+        qkv_bias: bool = False,
+        last_downsample: bool = True,
+        embed_kwargs: dict | None = None,
+        head: str = "sot",
+        head_defaults: dict | None = None,
+        **kwargs,
+    ):
+        head_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in SOT_HEAD_KWARGS}
+        if head == "sot":
+            defaults = dict(head_defaults or {})
+            if head_kwargs.keys() & {"mgcrp_m", "mgcrp_n", "repr_size"}:  # an explicit shape replaces the variant's
+                defaults = {k: v for k, v in defaults.items() if k not in ("mgcrp_m", "mgcrp_n")}
+            head_kwargs = {**defaults, **head_kwargs}
+        global_pool = kwargs.pop("global_pool", "")
+        if global_pool != "":
+            raise ValueError(f"global_pool={global_pool!r} is not supported: the SoT head pools the tokens itself; use ''")
+        super().__init__(
+            img_size=img_size,
+            patch_size=16 if last_downsample else 8,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            global_pool="",  # hand the whole token sequence to the head
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            embed_layer=partial(DenseNetTokenEmbed, last_downsample=last_downsample, **(embed_kwargs or {})),
+            **kwargs,
+        )
+        self.head_name, self.head_kwargs = head, head_kwargs
+        self.reset_classifier(num_classes)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if global_pool not in (None, ""):
+            raise ValueError(f"global_pool={global_pool!r} is not supported by SoT; use ''")
+        self.num_classes = num_classes
+        self.head = create_classifier_head(
+            self.head_name, self.embed_dim, num_classes, has_class_token=self.has_class_token, **self.head_kwargs
+        )
+        self.head_hidden_size = self.head.num_features  # pre-logits size; num_features stays embed_dim (timm)
+        for module in self.head.modules():
+            if isinstance(module, nn.Linear):  # timm's ViT init for the new head
+                trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(self.head_drop(x), pre_logits=pre_logits)
+
+
+def _cfg(**kwargs) -> dict:
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": 0.875, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.stem.0", "classifier": "head", **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "sot_tiny": _cfg(),
+    "sot_small": _cfg(),
+    "sot_base": _cfg(),
+    # §4.2: ablations resize the short side to 128 and crop 112 x 112.
+    "sot_7layer": _cfg(input_size=(3, 112, 112), crop_pct=112 / 128),
+})
+
+_SOT_TINY = dict(embed_dim=240, depth=12, num_heads=4, mlp_ratio=600 / 240,
+                 head_defaults=dict(mgcrp_heads=6, mgcrp_m=14, mgcrp_n=14, mgcrp_dropout=0.0))
+_SOT_SMALL = dict(embed_dim=384, depth=14, num_heads=6, mlp_ratio=1344 / 384,
+                  head_defaults=dict(mgcrp_heads=6, mgcrp_m=24, mgcrp_n=24, mgcrp_dropout=0.5))
+_SOT_BASE = dict(embed_dim=528, depth=24, num_heads=8, mlp_ratio=1584 / 528,
+                 head_defaults=dict(mgcrp_heads=6, mgcrp_m=38, mgcrp_n=38, mgcrp_dropout=0.7))
+# "Shares the same configuration with SoT-Tiny, but only has 7 layers and ... the downsampling of the
+# last block in the token embedding module is removed" (appendix A).
+_SOT_7LAYER = dict(_SOT_TINY, depth=7, img_size=112, last_downsample=False)
+
+
+def _create_sot(variant: str, pretrained: bool, model_args: dict, **kwargs) -> SoT:
+    if pretrained:
+        raise ValueError(f"pretrained=True: the paper released no weights for {variant}; use pretrained=False")
+    return build_model_with_cfg(SoT, variant, pretrained=False, **dict(model_args, **kwargs))
+
+
+# Table S-1 / 5; FLOPs are multiply-adds of convs + linears (see module docstring).
+@register_variant(PaperFacts(paper="004", family="sot", params=7.7e6, gflops=2.5, top1=80.3, row="SoT-Tiny"))
+def sot_tiny(pretrained: bool = False, **kwargs) -> SoT:
+    return _create_sot("sot_tiny", pretrained, _SOT_TINY, **kwargs)
+
+
+@register_variant(PaperFacts(paper="004", family="sot", params=26.9e6, gflops=5.8, top1=82.7, row="SoT-Small"))
+def sot_small(pretrained: bool = False, **kwargs) -> SoT:
+    return _create_sot("sot_small", pretrained, _SOT_SMALL, **kwargs)
+
+
+@register_variant(PaperFacts(paper="004", family="sot", params=76.8e6, gflops=14.5, top1=83.5, row="SoT-Base"))
+def sot_base(pretrained: bool = False, **kwargs) -> SoT:
+    return _create_sot("sot_base", pretrained, _SOT_BASE, **kwargs)
+
+
+# Table 3b, sum + MGCrP (repr 1176): the ablations' reference model at 112 px. The paper gives no
+# FLOPs for it; its class-token-only baseline (head='linear') is Table 3a's 4.23M / 1.06G row.
+@register_variant(PaperFacts(
+    paper="004", family="sot", params=5.44e6, gflops=None, top1=75.97, img_size=112,
+    row="7-layer SoT, sum + MGCrP (Table 3b)"))
+def sot_7layer(pretrained: bool = False, **kwargs) -> SoT:
+    return _create_sot("sot_7layer", pretrained, _SOT_7LAYER, **kwargs)

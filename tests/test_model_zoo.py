@@ -1,0 +1,55 @@
+"""Every registered variant: builds by name, trains a step at 32 px, and is listed by `vitsweep models`."""
+import json
+
+import pytest
+import timm
+import torch
+
+import models
+from pipeline.cli import main
+
+ALL_VARIANTS = sorted(models.VARIANTS)
+
+
+def test_the_zoo_registers_every_papers_family():
+    families = {facts.family for facts in models.VARIANTS.values()}
+    assert {"xcit", "vit", "eit", "sot"} <= families
+    papers = {facts.paper for facts in models.VARIANTS.values()}
+    assert {"001", "002", "003", "004"} <= papers
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_variant_runs_forward_and_backward_at_32px(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, num_classes=10)
+    logits = model(torch.randn(2, 3, 32, 32))
+    assert logits.shape == (2, 10)
+    logits.logsumexp(dim=1).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_models_list_json_has_a_row_per_variant_with_paper_facts(capsys):
+    assert main(["models", "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(row["name"] for row in rows) == ALL_VARIANTS
+    for row in rows:
+        assert {"name", "params", "gflops", "paper", "paper_params", "paper_top1"} <= row.keys()
+        assert row["params"] > 0 and row["gflops"] > 0
+
+
+def test_models_list_table_prints_every_variant(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ALL_VARIANTS)
+
+
+def test_models_show_breaks_params_down_by_module(capsys):
+    assert main(["models", "show", "xcit_nano_12_p16"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks" in out and "total" in out
+
+
+def test_models_show_unknown_name_is_invalid_input(capsys):
+    assert main(["models", "show", "no_such_model"]) == 2
+    assert "no_such_model" in capsys.readouterr().err

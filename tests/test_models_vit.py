@@ -1,0 +1,111 @@
+"""DeiT and Armour (paper 002) on timm's VisionTransformer, with vitsweep's QKV and head overrides."""
+import pytest
+import timm
+import torch
+
+import models  # noqa: F401  (registers the variants)
+from models.layers.qkv import ArmourQKV
+from models.measure import build_on_meta, count_params
+
+# Paper 002 Table 3: reported params (M, one decimal) per row.
+PAPER_002_TABLE_3 = {
+    "DeiT-Ti": ("deit_tiny_p16", 5.7),
+    "Armour-Ti": ("armour_tiny", 5.3),
+    "DeiT-S": ("deit_small_p16", 22.1),
+    "Armour-S": ("armour_small", 20.3),
+    "DeiT-B": ("deit_base_p16", 86.6),
+    "Armour-B": ("armour_base", 79.5),
+}
+
+
+@pytest.mark.parametrize(("name", "paper_params_m"), PAPER_002_TABLE_3.values(), ids=PAPER_002_TABLE_3.keys())
+def test_params_match_paper_002_table_3_to_its_precision(name, paper_params_m):
+    assert round(count_params(build_on_meta(name)) / 1e6, 1) == paper_params_m
+
+
+# Paper 002 Table 3 "# params Δ" of Armour against its DeiT.
+PAPER_002_REDUCTION = {
+    "Armour-Ti": ("deit_tiny_p16", "armour_tiny", -7.8),
+    "Armour-S": ("deit_small_p16", "armour_small", -8.1),
+    "Armour-B": ("deit_base_p16", "armour_base", -8.2),
+}
+
+
+@pytest.mark.parametrize(("deit", "armour", "paper_delta_pct"), PAPER_002_REDUCTION.values(),
+                         ids=PAPER_002_REDUCTION.keys())
+def test_armour_param_reduction_matches_paper_002_table_3(deit, armour, paper_delta_pct):
+    # The paper's Δ is computed from its rounded counts (e.g. 20.3/22.1 for S), hence 0.1 points of slack.
+    baseline = count_params(build_on_meta(deit))
+    delta_pct = 100 * (count_params(build_on_meta(armour)) - baseline) / baseline
+    assert delta_pct == pytest.approx(paper_delta_pct, abs=0.1)
+
+
+def test_linear_qkv_deit_is_identical_to_timm_deit():
+    torch.manual_seed(0)
+    reference = timm.create_model("deit_tiny_patch16_224", img_size=32).eval()
+    ours = timm.create_model("deit_tiny_p16", img_size=32).eval()
+    ours.load_state_dict(reference.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(ours(images), reference(images))
+
+
+def test_armour_attention_is_softmax_of_qk_times_q():
+    # Paper 002 Eq. 2: Attention(Q, K) = softmax(QKᵀ/√d)·Q, per head, then timm's output projection.
+    torch.manual_seed(0)
+    attn = timm.create_model("armour_tiny", img_size=32).blocks[0].attn.eval()
+    tokens = torch.randn(2, 5, 192)
+    q, k = attn.qkv.qk(tokens).chunk(2, dim=-1)
+    q, k = (t.unflatten(-1, (3, 64)).transpose(1, 2) for t in (q, k))  # [B, heads, N, 64]
+    weights = (q @ k.transpose(-2, -1) / 64 ** 0.5).softmax(dim=-1)
+    expected = attn.proj((weights @ q).transpose(1, 2).flatten(2))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(tokens), expected)
+
+
+def test_armour_blocks_use_query_as_value():
+    model = build_on_meta("armour_tiny")
+    assert all(isinstance(b.attn.qkv, ArmourQKV) and b.attn.qkv.value_is_query for b in model.blocks)
+
+
+def test_armour_equals_deit_with_armour_qkv():
+    assert count_params(build_on_meta("armour_small")) == count_params(build_on_meta("deit_small_p16", qkv="armour"))
+
+
+def test_armour_with_another_qkv_is_rejected():
+    with pytest.raises(ValueError, match="armour_tiny is DeiT with qkv='armour', got qkv='sne'"):
+        build_on_meta("armour_tiny", qkv="sne")
+
+
+def test_armour_has_no_pretrained_weights():
+    with pytest.raises(ValueError, match="no pretrained weights for armour_tiny"):
+        timm.create_model("armour_tiny", pretrained=True)
+
+
+@pytest.mark.parametrize(("qkv", "kwargs"), [("sne", {}), ("psne", {}), ("fsne", {"code_size": 8}), ("armour", {})])
+def test_every_qkv_kind_trains_in_deit(qkv, kwargs):
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_p16", img_size=32, num_classes=10, qkv=qkv, **kwargs)
+    logits = model(torch.randn(2, 3, 32, 32))
+    assert logits.shape == (2, 10)
+    logits.logsumexp(dim=1).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_sot_head_reads_all_tokens_after_the_final_norm():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_p16", img_size=32, num_classes=10, head="sot").eval()
+    seen = {}
+    model.head.register_forward_pre_hook(lambda module, args: seen.update(tokens=args[0]))
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(images)
+        features = model.forward_features(images)
+    assert logits.shape == (2, 10)
+    assert seen["tokens"].shape == (2, 1 + 4, 192)  # class token + 2x2 patches
+    assert torch.equal(seen["tokens"], features)
+
+
+def test_sot_head_with_token_pooling_is_rejected():
+    with pytest.raises(ValueError, match="global_pool='token' is invalid with head='sot'"):
+        build_on_meta("deit_tiny_p16", head="sot", global_pool="token")

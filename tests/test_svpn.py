@@ -1,0 +1,134 @@
+"""svPN (SoT, paper 004 §3.3): exact via SVD (Eq. 5) and the power-iteration approximation (Eqs. 6-8)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.layers.svpn import SvPN, svpn_approx, svpn_exact
+
+
+def _random_orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    return q
+
+
+def _matrix_with_singular_values(m: int, n: int, singular_values: list[float], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u = _random_orthogonal(m, g)[:, : len(singular_values)]
+    v = _random_orthogonal(n, g)[:, : len(singular_values)]
+    return u @ torch.diag(torch.tensor(singular_values, dtype=torch.float64)) @ v.T
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (7, 4), (4, 7)], ids=["square", "tall", "wide"])
+def test_exact_svpn_equals_svd_definition(shape):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, *shape, generator=g, dtype=torch.float64)
+    alpha = 0.5
+    expected = []
+    for matrix in q.numpy():
+        u, s, vt = np.linalg.svd(matrix, full_matrices=False)  # independent SVD (LAPACK via numpy)
+        expected.append(u @ np.diag(s**alpha) @ vt)
+    torch.testing.assert_close(svpn_exact(q, alpha), torch.from_numpy(np.stack(expected)))
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5)], ids=["tall", "wide", "square"])
+def test_approx_svpn_with_all_singular_values_converges_to_exact(shape):
+    k = min(shape)
+    q = _matrix_with_singular_values(*shape, [2.0 ** (k - i) for i in range(k)]).unsqueeze(0)
+    v0 = torch.randn(shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    approx = svpn_approx(q, v0, alpha=0.5, num_sv=k, iters=80, eps=0.0)
+    torch.testing.assert_close(approx, svpn_exact(q, 0.5), atol=1e-9, rtol=1e-9)
+
+
+def test_approx_svpn_with_one_singular_value_is_q_over_estimated_lambda1_power():
+    # Eq. 8 with r = 1: Q / λ̂₁^(1-α), λ̂₁ the estimate after #iter steps of Eq. 6 from v⁽⁰⁾.
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 6, 5, generator=g, dtype=torch.float64)
+    v0 = torch.randn(5, generator=g, dtype=torch.float64)
+    alpha, iters = 0.5, 2
+    v = v0.expand(4, 5)
+    for _ in range(iters):
+        u = torch.einsum("bmn,bn->bm", q, v)
+        u = u / u.norm(dim=-1, keepdim=True)
+        qt_u = torch.einsum("bmn,bm->bn", q, u)
+        v = qt_u / qt_u.norm(dim=-1, keepdim=True)
+    lambda1_hat = qt_u.norm(dim=-1)[:, None, None]
+    expected = q / lambda1_hat ** (1 - alpha)
+    got = svpn_approx(q, v0, alpha=alpha, num_sv=1, iters=iters, eps=0.0)
+    torch.testing.assert_close(got, expected)
+
+
+def test_exact_svpn_gradient_is_finite_for_repeated_singular_values():
+    q = (torch.eye(6, dtype=torch.float64) * 2.0).repeat(3, 1, 1).requires_grad_()
+    out = svpn_exact(q, 0.5)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(q.grad).all()
+
+
+def test_exact_svpn_gradient_at_identity_is_the_analytic_derivative():
+    # svPN(Q) = (QQᵀ)^((α-1)/2) Q, so at Q = I: dF = α sym(dQ) + skew(dQ); the adjoint has the same form.
+    alpha = 0.3
+    q = torch.eye(5, dtype=torch.float64).unsqueeze(0).requires_grad_()
+    upstream = torch.randn(1, 5, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    svpn_exact(q, alpha).backward(upstream)
+    sym, skew = 0.5 * (upstream + upstream.mT), 0.5 * (upstream - upstream.mT)
+    torch.testing.assert_close(q.grad, alpha * sym + skew)
+
+
+def test_exact_svpn_gradient_is_continuous_across_coinciding_singular_values():
+    base = _matrix_with_singular_values(5, 5, [3.0, 2.0, 2.0, 1.0, 0.5], seed=4)
+    nearly = _matrix_with_singular_values(5, 5, [3.0, 2.0 + 1e-7, 2.0, 1.0, 0.5], seed=4)
+    upstream = torch.randn(5, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = []
+    for q in (base, nearly):
+        q = q.clone().requires_grad_()
+        svpn_exact(q, 0.5).backward(upstream)
+        grads.append(q.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (5, 3), (3, 5)], ids=["square", "tall", "wide"])
+def test_exact_svpn_backward_matches_finite_differences(shape):
+    q = torch.randn(2, *shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    q.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: svpn_exact(x, 0.5), (q,))
+
+
+def test_exact_svpn_gradient_is_finite_for_rank_deficient_input():
+    # Fewer tokens than m, n (e.g. 4 tokens at 32 px for 14 x 14 heads) gives zero singular values.
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(2, 14, 4, generator=g), torch.randn(2, 14, 4, generator=g)
+    q = (x @ y.mT / 4).requires_grad_()
+    out = svpn_exact(q, 0.5)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+
+
+def test_approx_svpn_gradient_reaches_input_and_initial_vector():
+    norm = SvPN(num_cols=5, alpha=0.5, exact=False, num_sv=2, iters=1)
+    q = torch.randn(3, 5, 5, requires_grad=True)
+    norm(q).pow(2).sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    assert norm.v0.grad is not None and torch.isfinite(norm.v0.grad).all()
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5, 1.5])
+def test_svpn_rejects_alpha_outside_zero_one(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        SvPN(num_cols=4, alpha=alpha)
+
+
+def test_svpn_rejects_more_singular_values_than_the_matrix_has():
+    with pytest.raises(ValueError, match="num_sv"):
+        SvPN(num_cols=3, num_sv=4)(torch.randn(2, 3, 3))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "approx"])
+def test_svpn_computes_in_float32_for_bfloat16_autocast(exact):
+    q = torch.randn(4, 6, 6, generator=torch.Generator().manual_seed(8))
+    norm = SvPN(num_cols=6, exact=exact)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = norm(q.bfloat16())
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), norm(q.bfloat16().float()), atol=2e-2, rtol=2e-2)
