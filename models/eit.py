@@ -22,13 +22,12 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, DropPath, Mlp, to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models import generate_default_cfgs
 
-from models._registry import PaperFacts, register_variant
-from models.layers.qkv import replace_qkv_embeddings
-from models.vit import TokenHeadMixin
+from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
+from models.layers.qkv import QKVOverrideMixin
+from models.sot import TokenHeadMixin
 
 __all__ = [
     "CHANNEL_SCHEDULES",
@@ -461,67 +460,26 @@ class EITVisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-class EIT(TokenHeadMixin, EITVisionTransformer):
+class EIT(TokenHeadMixin, QKVOverrideMixin, EITVisionTransformer):
     """``EITVisionTransformer`` with vitsweep's Q/K/V-embedding and classification-head overrides.
 
-    With the defaults it is exactly the paper's EIT.  The overrides act like those of ``models.vit.ViT``:
-
-    Args:
-        qkv: Q/K/V embedding of every layer's MHA, one of ``models.layers.qkv.QKV_KINDS``: 'linear' (timm's,
-            default), 'sne', 'psne', 'fsne' (paper 000 Eqs. 4-6) or 'armour' (W_Q = W_V, paper 002 Eq. 2).
-            Each layer's embedding has that layer's MHA width C_M_i; F-SNE's codes (size c, independent of
-            the width) are still shared by all layers.  Layers without MHA (C_M_i = 0) have none.
-        code_size: c of F-SNE's codes (required with qkv='fsne').
-        qkv_hidden_dim: hidden width of SNE/P-SNE/F-SNE, one int or one per MHA layer (default paper 000
-            Table 1 relative to each layer's C_M_i: C_M/2, 3 C_M/4, C_M).
-        qkv_num_layers: layers per SNE branch (paper 000 Fig. 3; default 2).
-        share_codes: F-SNE codes shared by all layers (paper 000 default) or one set per layer.
-        match_baseline_params: per layer, the largest hidden width with no more parameters than the linear
-            embedding it replaces (paper 000's starred variants).
-        head: 'linear' (class token, the paper's) or 'sot' (``models.sot`` head on all final tokens).
-        **kwargs: ``models.sot.SOT_HEAD_KWARGS`` go to the SoT head (head='sot' only), the rest to
-            ``EITVisionTransformer``.
+    With the defaults it is exactly the paper's EIT.  The overrides are those of every ViT-like family here:
+    ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``) and ``head=`` (``models.sot.TokenHeadMixin``),
+    e.g. ``timm.create_model("eit16_4_3_mini", qkv="fsne", code_size=8, head="sot")``.  Each layer's Q/K/V
+    embedding has that layer's MHA width C_M_i (so ``qkv_hidden_dim`` may be one int per MHA layer, and its
+    default is relative to C_M_i); F-SNE's codes (size c, independent of the width) are still shared by all
+    layers.  Layers without MHA (C_M_i = 0) have no embedding.
     """
 
-    def __init__(
-            self,
-            *,
-            qkv: str = "linear",
-            code_size: int | None = None,
-            qkv_hidden_dim: int | Sequence[int] | None = None,
-            qkv_num_layers: int = 2,
-            share_codes: bool = True,
-            match_baseline_params: bool = False,
-            head: str = "linear",
-            **kwargs,
-    ) -> None:
-        head_kwargs = self._pop_head_kwargs(head, kwargs)
-        super().__init__(**kwargs)
-        attentions = [block.mixer.attn for block in self.blocks if block.mixer.attn is not None]
-        if attentions:
-            replace_qkv_embeddings(
-                attentions, qkv, code_size=code_size, hidden_dim=qkv_hidden_dim, num_layers=qkv_num_layers,
-                share_codes=share_codes, match_baseline_params=match_baseline_params)
-        elif qkv != "linear":
-            raise ValueError(
-                f"qkv={qkv!r} needs a layer with MHA, but conv_channels={self.conv_channels} give every channel "
-                "of every layer to the convolution: use qkv='linear' or leave MHA channels")
-        self.qkv_kind = qkv
-        self._set_head(head, head_kwargs)
+    def qkv_attentions(self) -> list[nn.Module]:
+        return [block.mixer.attn for block in self.blocks if block.mixer.attn is not None]
 
 
 # --------------------------------------------------------------------------------------------------
 # Variants (Table 2)
 # --------------------------------------------------------------------------------------------------
 
-def _cfg(**kwargs) -> dict:
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
-        "crop_pct": 0.9, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head", **kwargs,
-    }
-
-
+_cfg = partial(cfg_without_weights, crop_pct=0.9, first_conv="patch_embed.proj")
 default_cfgs = generate_default_cfgs({
     "eit16_4_3_mini": _cfg(),
     "eit16_4_3_tiny": _cfg(),
@@ -539,41 +497,35 @@ _EIT16_4_3 = dict(patch_kernel=16, patch_stride=4, patch_pool=3)
 _EIT3_1_4 = dict(patch_kernel=3, patch_stride=1, patch_pool=4)
 
 
-def _create_eit(variant: str, pretrained: bool, model_args: dict, **kwargs) -> EIT:
-    if pretrained:
-        raise ValueError(f"pretrained=True: the paper released no weights for {variant}; use pretrained=False")
-    return build_model_with_cfg(EIT, variant, pretrained=False, **dict(model_args, **kwargs))
-
-
 # Table 5 reports multiply-adds (its DeiT-T row, 1.3G, is DeiT's MAC count); top-1 is ImageNet-1K.
 @register_variant(PaperFacts(
     paper="001", family="eit", params=3.5e6, gflops=1.73, top1=70.0, img_size=224, row="EIT16/4/3-Mini"))
 def eit16_4_3_mini(pretrained: bool = False, **kwargs) -> EIT:
-    return _create_eit("eit16_4_3_mini", pretrained, dict(_MINI, **_EIT16_4_3), **kwargs)
+    return build_without_weights(EIT, "eit16_4_3_mini", pretrained, dict(_MINI, **_EIT16_4_3), **kwargs)
 
 
 @register_variant(PaperFacts(
     paper="001", family="eit", params=8.9e6, gflops=3.84, top1=78.1, img_size=224, row="EIT16/4/3-Tiny"))
 def eit16_4_3_tiny(pretrained: bool = False, **kwargs) -> EIT:
-    return _create_eit("eit16_4_3_tiny", pretrained, dict(_TINY, **_EIT16_4_3), **kwargs)
+    return build_without_weights(EIT, "eit16_4_3_tiny", pretrained, dict(_TINY, **_EIT16_4_3), **kwargs)
 
 
 @register_variant(PaperFacts(
     paper="001", family="eit", params=16.0e6, gflops=6.52, top1=80.6, img_size=224, row="EIT16/4/3-Base"))
 def eit16_4_3_base(pretrained: bool = False, **kwargs) -> EIT:
-    return _create_eit("eit16_4_3_base", pretrained, dict(_BASE, **_EIT16_4_3), **kwargs)
+    return build_without_weights(EIT, "eit16_4_3_base", pretrained, dict(_BASE, **_EIT16_4_3), **kwargs)
 
 
 @register_variant(PaperFacts(
     paper="001", family="eit", params=25.3e6, gflops=10.0, top1=81.8, img_size=224, row="EIT16/4/3-Large"))
 def eit16_4_3_large(pretrained: bool = False, **kwargs) -> EIT:
-    return _create_eit("eit16_4_3_large", pretrained, dict(_LARGE, **_EIT16_4_3), **kwargs)
+    return build_without_weights(EIT, "eit16_4_3_large", pretrained, dict(_LARGE, **_EIT16_4_3), **kwargs)
 
 
 # Table 6 (Idx 1.9) counts FLOPs as 2 per multiply-add (its patch-4 ViT, 0.255 GMACs, is listed as
-# 0.515G), so the registry's multiply-adds are half the printed 0.428G.  It reports CIFAR, not ImageNet.
+# 0.515G), hence flops_per_mac=2 beside the printed 0.428G.  It reports CIFAR, not ImageNet.
 @register_variant(PaperFacts(
-    paper="001", family="eit", params=3.095e6, gflops=0.428 / 2, top1=None, img_size=32,
+    paper="001", family="eit", params=3.095e6, gflops=0.428, flops_per_mac=2, top1=None, img_size=32,
     row="EIT3/1/4-Mini (Table 6, Idx 1.9)"))
 def eit3_1_4_mini(pretrained: bool = False, **kwargs) -> EIT:
-    return _create_eit("eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, **_EIT3_1_4), **kwargs)
+    return build_without_weights(EIT, "eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, **_EIT3_1_4), **kwargs)

@@ -5,7 +5,8 @@ Everything SoT lives here:
 * the classification head (§3.2, Eq. 1): the class token and the pooled word tokens fused by one of
   four schemes (sum, concat, aggr_all, late); word tokens pooled by GAP, GCP (iSQRT matrix square
   root) or MGCrP (multi-headed cross-covariance + svPN, ``models.layers``). Any backbone that hands
-  over its final normalised token sequence can use it, via ``create_classifier_head``;
+  over its final normalised token sequence can use it, via ``create_classifier_head``; a timm model
+  class gets the ``head=`` constructor argument by mixing in ``TokenHeadMixin`` (ViT, XCiT, EIT, SoT);
 * the DenseNet-block token embedding (appendix A, Fig. S-1), a drop-in ``embed_layer`` for timm's
   ``VisionTransformer``;
 * the SoT models (Table S-1): SoT-Tiny/Small/Base and the 7-layer model of the ablations (Tables 3-4),
@@ -13,7 +14,8 @@ Everything SoT lives here:
 
 Counting convention of the paper's FLOPs (Tables 3a, 5, S-1): multiply-adds of convolutions and
 linear layers only, as the authors' ``thop`` profiling does; the attention's QKᵀ and AV products are
-not counted (e.g. SoT-Tiny: 2.53 GMACs without them, 2.75 with; the paper says 2.5).
+not counted (e.g. SoT-Tiny: 2.53 GMACs without them, 2.75 with; the paper says 2.5). The variants
+record it as ``PaperFacts(flop_ops="conv_linear")``, ``models.measure.count_gmacs(..., ops="conv_linear")``.
 """
 from __future__ import annotations
 
@@ -22,14 +24,13 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models import generate_default_cfgs
 from timm.models.densenet import DenseBlock, DenseTransition
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from models._registry import PaperFacts, register_variant
+from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
 from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "CLASSIFIER_HEADS",
     "create_classifier_head",
     "LinearTokenHead",
+    "TokenHeadMixin",
     "SoTHead",
     "GlobalCovariancePooling",
     "DenseNetTokenEmbed",
@@ -309,6 +311,63 @@ def create_classifier_head(
     raise ValueError(f"unknown classifier head={head!r}; valid: {', '.join(CLASSIFIER_HEADS)}")
 
 
+class TokenHeadMixin:
+    """The ``head=`` override of a timm classifier whose ``forward_features`` returns the final normalised tokens.
+
+    Mixed in before the timm model class (ViT, XCiT, EIT and SoT here); the model is built first, then its head
+    is replaced. ``reset_classifier`` keeps the chosen head.
+
+    Args:
+        head: 'linear' keeps the model's own head untouched (pooling, ``reset_classifier``, ``forward_head``),
+            so the model computes exactly what timm's does; 'sot' hands the whole token sequence [B, T, C]
+            (class token first) to ``create_classifier_head("sot", ...)`` (paper 004). With 'sot' the model
+            is built with ``global_pool=""`` so that it does no pooling of its own.
+        **kwargs: ``SOT_HEAD_KWARGS`` go to the SoT head (head='sot' only), the rest to the next class in the
+            MRO (the timm model).
+    """
+
+    head_name: str = "linear"  # until the model is built: timm's behaviour
+
+    def __init__(self, *, head: str = "linear", **kwargs):
+        if head not in CLASSIFIER_HEADS:
+            raise ValueError(f"head={head!r} is not a classifier head; valid: {CLASSIFIER_HEADS}")
+        head_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in SOT_HEAD_KWARGS}
+        if head != "sot" and head_kwargs:
+            raise ValueError(f"{sorted(head_kwargs)} apply only to head='sot', not head={head!r}")
+        if head == "sot":
+            global_pool = kwargs.pop("global_pool", "")
+            if global_pool != "":
+                raise ValueError(
+                    f"global_pool={global_pool!r} is invalid with head='sot': the SoT head pools the tokens "
+                    f"itself; use ''")
+            kwargs["global_pool"] = ""
+        super().__init__(**kwargs)
+        self.head_name, self.head_kwargs = head, head_kwargs
+        if head != "linear":
+            self.reset_classifier(self.num_classes)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if self.head_name == "linear":
+            return super().reset_classifier(num_classes, global_pool)
+        if global_pool not in (None, ""):
+            raise ValueError(f"global_pool={global_pool!r} is invalid with head={self.head_name!r}; use ''")
+        self.num_classes = num_classes
+        self.head = create_classifier_head(
+            self.head_name, self.embed_dim, num_classes, has_class_token=getattr(self, "has_class_token", True),
+            **self.head_kwargs)
+        self.head_hidden_size = self.head.num_features  # pre-logits size; num_features stays embed_dim (timm)
+        for module in self.head.modules():
+            if isinstance(module, nn.Linear):  # timm's ViT/XCiT init, as the head it replaces had
+                trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.head_name == "linear":
+            return super().forward_head(x, pre_logits=pre_logits)
+        return self.head(self.head_drop(x), pre_logits=pre_logits)
+
+
 # --------------------------------------------------------------------------------------------------
 # Token embedding (appendix A, Fig. S-1)
 # --------------------------------------------------------------------------------------------------
@@ -413,7 +472,7 @@ class DenseNetTokenEmbed(nn.Module):
 # SoT models (Table S-1)
 # --------------------------------------------------------------------------------------------------
 
-class SoT(VisionTransformer):
+class SoT(TokenHeadMixin, VisionTransformer):
     """SoT network (Fig. 1): DenseNet token embedding, timm ViT blocks, SoT classification head.
 
     Args:
@@ -425,7 +484,8 @@ class SoT(VisionTransformer):
         qkv_bias: the authors' blocks have no qkv bias.
         last_downsample: False for the 7-layer ablation model (appendix A).
         embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, ...).
-        head: 'sot' (default) or 'linear' (the class-token baseline of Table 3a).
+        head: 'sot' (default) or 'linear' (timm's class-token classifier: the baseline of Table 3a); see
+            ``TokenHeadMixin``.
         head_defaults: the variant's SoT head settings (Table S-1 m, n; Table S-3 dropout), under any
             head kwargs given explicitly; unused by head='linear'.
         **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's), the rest to
@@ -448,21 +508,17 @@ class SoT(VisionTransformer):
         head_defaults: dict | None = None,
         **kwargs,
     ):
-        head_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in SOT_HEAD_KWARGS}
-        if head == "sot":
-            defaults = dict(head_defaults or {})
-            if head_kwargs.keys() & {"mgcrp_m", "mgcrp_n", "repr_size"}:  # an explicit shape replaces the variant's
+        if head == "sot" and head_defaults:
+            defaults = dict(head_defaults)
+            if kwargs.keys() & {"mgcrp_m", "mgcrp_n", "repr_size"}:  # an explicit shape replaces the variant's
                 defaults = {k: v for k, v in defaults.items() if k not in ("mgcrp_m", "mgcrp_n")}
-            head_kwargs = {**defaults, **head_kwargs}
-        global_pool = kwargs.pop("global_pool", "")
-        if global_pool != "":
-            raise ValueError(f"global_pool={global_pool!r} is not supported: the SoT head pools the tokens itself; use ''")
+            kwargs = {**defaults, **kwargs}
         super().__init__(
+            head=head,
             img_size=img_size,
             patch_size=16 if last_downsample else 8,
             in_chans=in_chans,
             num_classes=num_classes,
-            global_pool="",  # hand the whole token sequence to the head
             embed_dim=embed_dim,
             depth=depth,
             num_heads=num_heads,
@@ -471,35 +527,9 @@ class SoT(VisionTransformer):
             embed_layer=partial(DenseNetTokenEmbed, last_downsample=last_downsample, **(embed_kwargs or {})),
             **kwargs,
         )
-        self.head_name, self.head_kwargs = head, head_kwargs
-        self.reset_classifier(num_classes)
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool not in (None, ""):
-            raise ValueError(f"global_pool={global_pool!r} is not supported by SoT; use ''")
-        self.num_classes = num_classes
-        self.head = create_classifier_head(
-            self.head_name, self.embed_dim, num_classes, has_class_token=self.has_class_token, **self.head_kwargs
-        )
-        self.head_hidden_size = self.head.num_features  # pre-logits size; num_features stays embed_dim (timm)
-        for module in self.head.modules():
-            if isinstance(module, nn.Linear):  # timm's ViT init for the new head
-                trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.head(self.head_drop(x), pre_logits=pre_logits)
 
 
-def _cfg(**kwargs) -> dict:
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
-        "crop_pct": 0.875, "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.stem.0", "classifier": "head", **kwargs,
-    }
-
-
+_cfg = partial(cfg_without_weights, first_conv="patch_embed.stem.0")
 default_cfgs = generate_default_cfgs({
     "sot_tiny": _cfg(),
     "sot_small": _cfg(),
@@ -519,32 +549,30 @@ _SOT_BASE = dict(embed_dim=528, depth=24, num_heads=8, mlp_ratio=1584 / 528,
 _SOT_7LAYER = dict(_SOT_TINY, depth=7, img_size=112, last_downsample=False)
 
 
-def _create_sot(variant: str, pretrained: bool, model_args: dict, **kwargs) -> SoT:
-    if pretrained:
-        raise ValueError(f"pretrained=True: the paper released no weights for {variant}; use pretrained=False")
-    return build_model_with_cfg(SoT, variant, pretrained=False, **dict(model_args, **kwargs))
+def _facts(row: str, params: float, gflops: float | None, top1: float, img_size: int = 224) -> PaperFacts:
+    # The paper's FLOPs are multiply-adds of convolutions and linear layers only (see module docstring).
+    return PaperFacts(paper="004", family="sot", params=params, gflops=gflops, flop_ops="conv_linear", top1=top1,
+                      img_size=img_size, row=row)
 
 
-# Table S-1 / 5; FLOPs are multiply-adds of convs + linears (see module docstring).
-@register_variant(PaperFacts(paper="004", family="sot", params=7.7e6, gflops=2.5, top1=80.3, row="SoT-Tiny"))
+# Table S-1 / 5.
+@register_variant(_facts("SoT-Tiny", 7.7e6, 2.5, 80.3))
 def sot_tiny(pretrained: bool = False, **kwargs) -> SoT:
-    return _create_sot("sot_tiny", pretrained, _SOT_TINY, **kwargs)
+    return build_without_weights(SoT, "sot_tiny", pretrained, _SOT_TINY, **kwargs)
 
 
-@register_variant(PaperFacts(paper="004", family="sot", params=26.9e6, gflops=5.8, top1=82.7, row="SoT-Small"))
+@register_variant(_facts("SoT-Small", 26.9e6, 5.8, 82.7))
 def sot_small(pretrained: bool = False, **kwargs) -> SoT:
-    return _create_sot("sot_small", pretrained, _SOT_SMALL, **kwargs)
+    return build_without_weights(SoT, "sot_small", pretrained, _SOT_SMALL, **kwargs)
 
 
-@register_variant(PaperFacts(paper="004", family="sot", params=76.8e6, gflops=14.5, top1=83.5, row="SoT-Base"))
+@register_variant(_facts("SoT-Base", 76.8e6, 14.5, 83.5))
 def sot_base(pretrained: bool = False, **kwargs) -> SoT:
-    return _create_sot("sot_base", pretrained, _SOT_BASE, **kwargs)
+    return build_without_weights(SoT, "sot_base", pretrained, _SOT_BASE, **kwargs)
 
 
 # Table 3b, sum + MGCrP (repr 1176): the ablations' reference model at 112 px. The paper gives no
 # FLOPs for it; its class-token-only baseline (head='linear') is Table 3a's 4.23M / 1.06G row.
-@register_variant(PaperFacts(
-    paper="004", family="sot", params=5.44e6, gflops=None, top1=75.97, img_size=112,
-    row="7-layer SoT, sum + MGCrP (Table 3b)"))
+@register_variant(_facts("7-layer SoT, sum + MGCrP (Table 3b)", 5.44e6, None, 75.97, img_size=112))
 def sot_7layer(pretrained: bool = False, **kwargs) -> SoT:
-    return _create_sot("sot_7layer", pretrained, _SOT_7LAYER, **kwargs)
+    return build_without_weights(SoT, "sot_7layer", pretrained, _SOT_7LAYER, **kwargs)

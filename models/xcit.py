@@ -8,70 +8,30 @@ match_baseline_params=True)``.
 """
 from __future__ import annotations
 
-from timm.models import build_model_with_cfg, get_pretrained_cfg
 from timm.models.xcit import Xcit, checkpoint_filter_fn
 
-from models._registry import PaperFacts, register_variant
-from models.layers.qkv import replace_qkv_embeddings
-from models.vit import TokenHeadMixin, check_pretrained_overrides
+from models._registry import PaperFacts, build_on_timm_architecture, register_variant
+from models.layers.qkv import QKVOverrideMixin
+from models.sot import TokenHeadMixin
 
 __all__ = ["XCiT"]
 
 
-class XCiT(TokenHeadMixin, Xcit):
+class XCiT(TokenHeadMixin, QKVOverrideMixin, Xcit):
     """timm's Xcit with a choice of Q/K/V embedding in its XCA blocks and of classification head.
 
-    Args:
-        qkv: Q/K/V embedding of every XCA block (the class-attention blocks keep theirs), one of
-            ``models.layers.qkv.QKV_KINDS``: 'linear' (timm's own, the default), 'sne', 'psne', 'fsne'
-            (paper 000 Eqs. 4-6) or 'armour' (W_Q = W_V, paper 002 Eq. 2).
-        code_size: c of F-SNE's codes Cq/Ck/Cv (required with qkv='fsne'; paper 000 uses 8, 16, 32, 64).
-        qkv_hidden_dim: hidden width of SNE/P-SNE/F-SNE (default paper 000 Table 1: d/2, 3d/4, d).
-        qkv_num_layers: layers per SNE branch (paper 000 Fig. 3; default 2 as in Eq. 4).
-        share_codes: F-SNE codes shared by all blocks (paper 000 default) or one set per block (Table 5).
-        match_baseline_params: solve the hidden width so the model has (at most) the parameters of the
-            qkv='linear' model, as paper 000's starred variants (F-SNE 8*, 16*).
-        head: 'linear' (timm's class-token head, default) or 'sot' (paper 004's head on the tokens that
-            leave the class-attention blocks and the final norm).
-        **kwargs: ``models.sot.SOT_HEAD_KWARGS`` go to the SoT head (head='sot' only), the rest to timm's
-            Xcit (img_size, num_classes, patch_size, embed_dim, depth, num_heads, eta, tokens_norm, ...).
+    Takes ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``: every XCA block; the
+    class-attention blocks keep their own q, k, v), ``head=`` and the SoT head's options
+    (``models.sot.TokenHeadMixin``; the SoT head reads the tokens that leave the class-attention blocks and
+    the final norm), and the rest of timm's Xcit arguments (img_size, num_classes, patch_size, embed_dim,
+    depth, num_heads, eta, tokens_norm, ...).
     """
-
-    def __init__(
-            self,
-            *,
-            qkv: str = "linear",
-            code_size: int | None = None,
-            qkv_hidden_dim: int | None = None,
-            qkv_num_layers: int = 2,
-            share_codes: bool = True,
-            match_baseline_params: bool = False,
-            head: str = "linear",
-            **kwargs,
-    ):
-        head_kwargs = self._pop_head_kwargs(head, kwargs)
-        super().__init__(**kwargs)
-        replace_qkv_embeddings(
-            [block.attn for block in self.blocks], qkv, code_size=code_size, hidden_dim=qkv_hidden_dim,
-            num_layers=qkv_num_layers, share_codes=share_codes, match_baseline_params=match_baseline_params)
-        self.qkv_kind = qkv
-        self._set_head(head, head_kwargs)
 
 
 def _create_xcit(variant: str, pretrained: bool, **kwargs) -> XCiT:
-    check_pretrained_overrides(variant, pretrained, kwargs)
-    if kwargs.get("pretrained_cfg") is None:
-        # timm's data config (and, for qkv='linear', weights) of the same architecture at 224 px.
-        kwargs["pretrained_cfg"] = get_pretrained_cfg(f"{variant}_224.fb_in1k")
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        XCiT,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    # timm's data config (and, for the unmodified model, weights) of the same architecture at 224 px.
+    return build_on_timm_architecture(
+        XCiT, variant, pretrained, f"{variant}_224.fb_in1k", checkpoint_filter_fn, **kwargs)
 
 
 # Paper 003 Table 1: depth, d, #heads. LayerScale init eta and class-attention token norm as in the

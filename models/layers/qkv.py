@@ -13,7 +13,8 @@ Kinds (``QKV_KINDS``):
 - ``"armour"``: W_Q = W_V, so attention is softmax(QKᵀ/√d)·Q (paper 002 Eq. 2).
 
 ``build_qkv_embeddings`` builds one module per block with the sharing the kind dictates;
-``replace_qkv_embeddings`` installs them into the attention modules of a timm model.
+``replace_qkv_embeddings`` installs them into the attention modules of a timm model, and
+``QKVOverrideMixin`` gives a timm model class the ``qkv=`` constructor argument that does so.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ __all__ = [
     "LinearQKV",
     "PartiallySharedNonLinearQKV",
     "QKVCodes",
+    "QKVOverrideMixin",
     "SeparateNonLinearQKV",
     "build_qkv_embeddings",
     "default_hidden_dim",
@@ -436,3 +438,52 @@ def replace_qkv_embeddings(attentions: Sequence[nn.Module], kind: str, **builder
         embeddings = build_qkv_embeddings(kind, dims, qkv_bias=biases.pop(), **builder_kwargs)
     for attn, embedding in zip(attentions, embeddings):
         attn.qkv = embedding.to(weight.dtype)
+
+
+class QKVOverrideMixin:
+    """The ``qkv=`` override of a timm model: its attention modules get a ``QKV_KINDS`` embedding.
+
+    Mixed in before the timm model class (after ``models.sot.TokenHeadMixin`` where both are used); the model
+    is built first, then the ``qkv`` Linear of every module ``qkv_attentions()`` returns is replaced.
+
+    Args:
+        qkv: the Q/K/V embedding, one of ``QKV_KINDS``: 'linear' (timm's own, the default), 'sne', 'psne',
+            'fsne' (paper 000 Eqs. 4-6) or 'armour' (W_Q = W_V, paper 002 Eq. 2).
+        code_size: c of F-SNE's codes Cq/Ck/Cv (required with qkv='fsne'; paper 000 uses 8, 16, 32, 64).
+        qkv_hidden_dim: hidden width of SNE/P-SNE/F-SNE, one int or one per attention (default paper 000
+            Table 1 relative to each attention's width d: d/2, 3d/4, d).
+        qkv_num_layers: layers per SNE branch (paper 000 Fig. 3; default 2 as in Eq. 4).
+        share_codes: F-SNE codes shared by all attentions (paper 000 default) or one set per attention (Table 5).
+        match_baseline_params: per attention, the largest hidden width with no more parameters than the linear
+            embedding it replaces, as paper 000's starred variants (F-SNE 8*, 16*).
+        **kwargs: to the next class in the MRO (the timm model).
+    """
+
+    qkv_kind: str = "linear"
+
+    def __init__(
+            self,
+            *,
+            qkv: str = "linear",
+            code_size: int | None = None,
+            qkv_hidden_dim: int | Sequence[int] | None = None,
+            qkv_num_layers: int = 2,
+            share_codes: bool = True,
+            match_baseline_params: bool = False,
+            **kwargs,
+    ):
+        super().__init__(**kwargs)
+        attentions = self.qkv_attentions()
+        if attentions:
+            replace_qkv_embeddings(
+                attentions, qkv, code_size=code_size, hidden_dim=qkv_hidden_dim, num_layers=qkv_num_layers,
+                share_codes=share_codes, match_baseline_params=match_baseline_params)
+        elif qkv != "linear":
+            raise ValueError(
+                f"qkv={qkv!r} needs an attention module with a qkv projection, but this {type(self).__name__} "
+                f"has none: use qkv='linear'")
+        self.qkv_kind = qkv
+
+    def qkv_attentions(self) -> list[nn.Module]:
+        """The attention modules whose ``qkv`` Linear the override replaces: every block's ``attn``."""
+        return [block.attn for block in self.blocks]

@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
 
 def catalog_rows(family: str | None = None) -> list[dict]:
     from models import VARIANTS
-    from models.measure import build_on_meta, count_gmacs, count_params
+    from models.measure import build_on_meta, count_params, count_reported_gflops
 
     rows = []
     for name, facts in sorted(VARIANTS.items()):
@@ -40,7 +40,9 @@ def catalog_rows(family: str | None = None) -> list[dict]:
             "row": facts.row,
             "img_size": facts.img_size,
             "params": count_params(model),
-            "gflops": round(count_gmacs(model, facts.img_size), 3),
+            "gflops": round(count_reported_gflops(model, facts), 3),  # as the paper counts, see flop_ops
+            "flop_ops": facts.flop_ops,
+            "flops_per_mac": facts.flops_per_mac,
             "paper_params": facts.params,
             "paper_gflops": facts.gflops,
             "paper_top1": facts.top1,
@@ -58,14 +60,17 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     header = f"{'name':<26}{'family':<7}{'paper':<6}{'px':>5}{'params(M)':>11}{'GFLOPs':>9}" \
-             f"{'paper M':>9}{'paper GF':>9}{'top-1':>7}"
+             f"{'paper M':>9}{'paper GF':>9}{'top-1':>7}  FLOPs counted"
     print(header)
     print("-" * len(header))
     for r in rows:
+        counted = r["flop_ops"] + (f", {r['flops_per_mac']}/MAC" if r["flops_per_mac"] != 1 else "")
         print(f"{r['name']:<26}{r['family']:<7}{r['paper']:<6}{r['img_size']:>5}{_fmt(r['params'], 1e6):>11}"
               f"{_fmt(r['gflops']):>9}{_fmt(r['paper_params'], 1e6):>9}{_fmt(r['paper_gflops']):>9}"
-              f"{_fmt(r['paper_top1'], digits=1):>7}")
-    print("\nGFLOPs are multiply-adds per image at the variant's default resolution (the papers' convention).")
+              f"{_fmt(r['paper_top1'], digits=1):>7}  {counted}")
+    print("\nGFLOPs per image at the variant's paper resolution, counted as its paper counts them: multiply-adds of\n"
+          "all ops ('all') or of convolutions and linear layers only ('conv_linear', SoT); '2/MAC': the paper\n"
+          "prints 2 FLOPs per multiply-add (EIT Table 6). See models/measure.py.")
     return 0
 
 
