@@ -57,9 +57,13 @@ class ModelConfig(_Section):
 
 
 class AugmentConfig(_Section):
-    """DeiT's batch recipe (papers 000-004 all train with it); 0 / null switches a part off."""
+    """DeiT's batch recipe (papers 000-004 all train with it); 0 / null switches a part off.
 
-    rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec: 9 ops magnitude, std 0.5
+    RandAugment runs per sample inside the FFCV train pipeline; random erasing, Mixup/CutMix and
+    label smoothing run on the batch on the training device (``pipeline.data.augment``).
+    """
+
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec: magnitude 9, std 0.5
     mixup_alpha: float = Field(0.8, ge=0.0)
     cutmix_alpha: float = Field(1.0, ge=0.0)
     mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
@@ -68,19 +72,43 @@ class AugmentConfig(_Section):
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
 
+    @field_validator("rand_augment")
+    @classmethod
+    def _timm_rand_augment_spec(cls, spec: str | None) -> str | None:
+        # A typo here would otherwise surface as an AssertionError in a loader thread mid-epoch.
+        if spec is None:
+            return spec
+        from timm.data.auto_augment import rand_augment_transform
+
+        try:
+            if not spec.startswith("rand"):
+                raise AssertionError
+            rand_augment_transform(spec, {})
+        except (AssertionError, KeyError, ValueError):
+            raise ValueError(
+                "not a timm RandAugment spec; valid: 'rand' then '-'-separated m<int> (magnitude), n<int> (ops), "
+                "mstd<float>, mmax<int>, p<float>, inc<0|1>, t<set>, e.g. 'rand-m9-mstd0.5-inc1'; or null to switch off"
+            ) from None
+        return spec
+
 
 class DataConfig(_Section):
-    """FFCV datasets and loader options; paths may be local or URIs (s3://, gs://, file://)."""
+    """FFCV datasets and loader options; paths may be local or URIs (s3://, gs://, file://).
+
+    A plain path is read in place; a URI is copied once per node into ``cache_dir`` and read there.
+    Every ``.beton`` has a JSON sidecar (``<file>.json``) that training reads the class count from.
+    """
 
     train: str = "vitsweep-runs/data/digits_32_train.beton"
     val: str = "vitsweep-runs/data/digits_32_val.beton"
     # Write the offline `digits` dataset to `train`/`val` when they do not exist yet (demo, tests).
     prepare: Literal["digits"] | None = None
-    num_workers: int = Field(2, ge=1, le=256)
+    num_workers: int = Field(2, ge=1, le=256)  # FFCV decoding threads per process
+    # quasi_random reads pages in a RAM-sized window, but ffcv 1.0.2 cannot shard it across ranks.
     order: Literal["random", "sequential", "quasi_random"] = "random"
     os_cache: bool = True
     batches_ahead: int = Field(2, ge=1, le=64)
-    drop_last: bool = True
+    drop_last: bool = True  # train only: validation always sees every sample exactly once
     crop_scale: tuple[float, float] = (0.08, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     val_crop_ratio: float = Field(1.0, gt=0.0, le=1.0)  # XCiT evaluates at 1.0, DeiT at 0.875
@@ -104,6 +132,13 @@ class DataConfig(_Section):
             raise ValueError(f"a crop covers at most the whole image (scale <= 1.0), got {bounds[1]}")
         return bounds
 
+    @field_validator("std")
+    @classmethod
+    def _std_positive(cls, std: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not all(s > 0 for s in std):
+            raise ValueError(f"each channel's std divides the image, so it must be > 0, got {std}")
+        return std
+
 
 class ScheduleConfig(_Section):
     """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe)."""
@@ -117,7 +152,7 @@ class ScheduleConfig(_Section):
 class OptimConfig(_Section):
     """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size."""
 
-    lr: float = Field(5e-4, gt=0.0, le=10.0)
+    lr: float = Field(5e-4, gt=0.0)
     weight_decay: float = Field(0.05, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)

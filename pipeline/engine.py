@@ -17,6 +17,7 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
     lambda schedule), passed to ``deepspeed.initialize``; ZeRO then needs
     ``zero_allow_untested_optimizer``.
     """
+    precision = cfg.deepspeed.precision
     zero: dict[str, Any] = {"stage": cfg.deepspeed.zero_stage}
     if cfg.deepspeed.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
@@ -27,8 +28,11 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "gradient_clipping": cfg.optim.grad_clip or 0.0,  # 0: DeepSpeed does not clip
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": cfg.deepspeed.precision == "bf16"},
-        "fp16": {"enabled": cfg.deepspeed.precision == "fp16", "loss_scale": 0},  # 0: dynamic scaling
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0},  # 0: dynamic scaling
+        # DeepSpeed >= 0.19 casts parameters only; BatchNorm (XCiT's conv stem, SoT's DenseNet
+        # embedding) then meets fp32 running stats and fails. Cast floating buffers with the params.
+        **({"data_types": {"buffer_dtype": precision}} if precision != "fp32" else {}),
         "steps_per_print": 10**9,  # progress is ours to report, once per epoch
         "wall_clock_breakdown": False,
     }

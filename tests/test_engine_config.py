@@ -37,3 +37,8 @@ def test_gradient_clipping_follows_grad_clip_and_is_off_without_it():
 def test_optimizer_offload_goes_to_cpu():
     ds = deepspeed_config(load_config("smoke", ["deepspeed.zero_stage=2", "deepspeed.offload_optimizer=true"]), 2)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_half_precision_casts_buffers_with_parameters():
+    assert deepspeed_config(load_config("smoke", ["deepspeed.precision=bf16"]), 2)["data_types"] == {"buffer_dtype": "bf16"}
+    assert "data_types" not in deepspeed_config(load_config("smoke"), 2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli import config, doctor, models, pending
+from pipeline.cli import config, data, doctor, models, pending, train
 from pipeline.errors import InvalidInputError
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID_INPUT = 0, 1, 2
@@ -19,10 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train and sweep compact vision transformers with FFCV, DeepSpeed, Ray and MLflow.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    pending.add_train_parser(commands)
+    train.add_parser(commands)
     pending.add_tune_parser(commands)
     pending.add_compare_parser(commands)
-    pending.add_data_parser(commands)
+    data.add_parser(commands)
     models.add_parser(commands)
     config.add_parser(commands)
     doctor.add_parser(commands)

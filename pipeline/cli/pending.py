@@ -26,11 +26,6 @@ def _add(commands, name: str, help_: str, feature: str, issue: str) -> None:
     parser.set_defaults(run=_not_available(feature, issue))
 
 
-def add_train_parser(commands) -> None:
-    _add(commands, "train", "Train one model with Ray Train x DeepSpeed x FFCV, tracked in MLflow.",
-         "distributed training", "#5 (Distributed training)")
-
-
 def add_tune_parser(commands) -> None:
     _add(commands, "tune", "Sweep the papers' knobs with Ray Tune, every trial in MLflow.",
          "sweeps", "#6 (Sweeps)")
@@ -39,6 +34,3 @@ def add_tune_parser(commands) -> None:
 def add_compare_parser(commands) -> None:
     _add(commands, "compare", "Print a sweep's results table from MLflow.", "sweep comparison", "#6 (Sweeps)")
 
-
-def add_data_parser(commands) -> None:
-    _add(commands, "data", "Write, inspect and stage FFCV datasets.", "the FFCV data layer", "#4 (Data)")

@@ -1,0 +1,263 @@
+"""The Ray driver of one training run: validate everything, start Ray, train, record in MLflow.
+
+Everything that can be wrong with the input is checked before Ray starts (exit 2, nothing
+written): the config, the model's overrides, the datasets, the MLflow store, and a resumed
+run's checkpoint belonging to the same model.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ExperimentConfig
+from pipeline.errors import InvalidInputError
+
+# Slow 2-core machines need more than Ray's 60 s to start a worker group (import torch, DeepSpeed).
+WORKER_GROUP_START_TIMEOUT_S = "600"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the run stopped and is recorded FAILED."""
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    run_name: str
+    run_dir: Path
+    tracking_uri: str
+    mlflow_run_id: str
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ResolvedData:
+    train: str
+    val: str
+    num_classes: int
+
+
+def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
+    """Write the offline dataset if asked, then check both splits before any worker starts."""
+    from pipeline.data.integrity import check_beton
+    from pipeline.data.prepare import prepare_digits
+    from pipeline.data.staging import is_uri, read_location_sidecar
+
+    if cfg.data.prepare == "digits":
+        prepare_digits(cfg.data, cfg.model.img_size)
+    sidecars = {}
+    for split in ("train", "val"):
+        location = getattr(cfg.data, split)
+        sidecars[split] = read_location_sidecar(location) if is_uri(location) else check_beton(location)
+    if sidecars["train"].num_classes != sidecars["val"].num_classes:
+        raise InvalidInputError(
+            f"data.train has {sidecars['train'].num_classes} classes but data.val has "
+            f"{sidecars['val'].num_classes}; they must come from the same dataset"
+        )
+    return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes)
+
+
+def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
+    """A run restarted under the same name resumes its latest checkpoint: it must be this model's."""
+    from ray.train import Result
+
+    from pipeline.checkpointing import check_same_model, model_identity, read_meta
+
+    if not (run_dir / "checkpoint_manager_snapshot.json").exists():
+        return
+    checkpoint = Result.from_path(str(run_dir)).checkpoint
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            check_same_model(read_meta(directory), model_identity(cfg.model, num_classes), directory)
+
+
+def model_facts(cfg: ExperimentConfig, num_classes: int) -> dict[str, Any]:
+    import models
+    from models.measure import count_gmacs, count_params
+    from pipeline.modeling import build_model
+
+    model = build_model(cfg.model, num_classes, device="meta")
+    facts = models.VARIANTS.get(cfg.model.name)
+    return {
+        "name": cfg.model.name,
+        "params": count_params(model),
+        "gflops": round(count_gmacs(model, cfg.model.img_size), 4),
+        "family": facts.family if facts else "timm",
+        "paper": facts.paper if facts else "",
+    }
+
+
+def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
+    import deepspeed
+    import ray
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "torch_version": torch.__version__,
+        "deepspeed_version": deepspeed.__version__,
+        "ray_version": ray.__version__,
+        "python_version": platform.python_version(),
+        "accelerator": "cuda" if cfg.scaling.use_gpu else "cpu",
+        "world_size": str(cfg.scaling.num_workers),
+        "mlflow.source.git.commit": commit or "unknown",
+        "git_commit": commit or "unknown",
+    }
+
+
+def _start_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address and address.startswith(("http://", "https://")):
+        raise InvalidInputError(
+            f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
+            "--working-dir . -- vitsweep train ...` (see README) or pass a cluster address (auto, ray://...)"
+        )
+    ray.init(address=address, logging_level="WARNING", configure_logging=True, log_to_driver=True)
+
+
+def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
+    launched_at = launched_at or time.time()
+    from pipeline.modeling import check_buildable
+    from pipeline.tracking import check_logger_can_reach, check_reachable, resolve_tracking_uri
+
+    # 1. Everything that can be checked here, before Ray starts.
+    check_buildable(cfg.model)
+    data = resolve_data(cfg)
+    storage = Path(cfg.run.storage_path).expanduser().resolve()
+    run_name = cfg.run.name or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = storage / run_name
+    tracking_uri = resolve_tracking_uri(cfg)
+    check_logger_can_reach(tracking_uri, address)
+    try:
+        check_reachable(tracking_uri)
+    except ConnectionError as err:
+        raise InvalidInputError(str(err)) from None
+    check_resumable(run_dir, cfg, data.num_classes)
+
+    # 2. Ray, the MLflow run, the trainer.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
+    _start_ray(address)
+    return _fit(cfg, data, run_name, run_dir, storage, tracking_uri, launched_at)
+
+
+def _fit(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path, storage: Path,
+         tracking_uri: str, launched_at: float) -> TrainingOutcome:
+    mlflow_run_id = open_mlflow_run(cfg, data, run_name, run_dir, tracking_uri)
+    trainer = build_trainer(cfg, data, run_name, storage, tracking_uri, mlflow_run_id, launched_at)
+    result = fit_and_record(trainer, cfg, data, tracking_uri, mlflow_run_id)
+    return TrainingOutcome(run_name, run_dir, tracking_uri, mlflow_run_id, dict(result.metrics))
+
+
+def open_mlflow_run(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path, tracking_uri: str,
+                    tags: dict[str, str] | None = None) -> str:
+    """Create (or, for a restarted run, continue) the run's MLflow run and log its setup."""
+    import yaml
+
+    from pipeline.engine import deepspeed_config
+    from pipeline.tracking import log_run_setup, start_or_continue_run
+
+    mlflow_run_id = start_or_continue_run(tracking_uri, cfg.tracking.experiment, run_dir, run_name, tags)
+    log_run_setup(
+        tracking_uri, mlflow_run_id, cfg,
+        files={
+            "config.yaml": cfg.to_yaml(),
+            "deepspeed.json": yaml.safe_dump(deepspeed_config(cfg, cfg.scaling.num_workers)),
+            "model_summary.txt": _model_summary(cfg, data.num_classes),
+        },
+        facts=model_facts(cfg, data.num_classes),
+        tags=environment_tags(cfg),
+    )
+    return mlflow_run_id
+
+
+def build_trainer(cfg: ExperimentConfig, data: ResolvedData, run_name: str, storage: Path, tracking_uri: str,
+                  mlflow_run_id: str, launched_at: float, callbacks: tuple = ()):
+    """The Ray Train TorchTrainer of one run; ``callbacks`` adds e.g. Tune's report callback."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.tracking import MLflowEpochLogger
+    from pipeline.worker import WorkerPlan, train_worker
+
+    score = cfg.run.checkpoint_score
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=WorkerPlan(cfg.model_dump(mode="json"), data.num_classes, launched_at).as_dict(),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                  **({"GPU": cfg.scaling.gpus_per_worker} if cfg.scaling.use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.run.num_to_keep,
+                checkpoint_score_attribute=score,
+                checkpoint_score_order="min" if score.endswith("loss") else "max",
+            ),
+            callbacks=[MLflowEpochLogger(tracking_uri, mlflow_run_id, cfg.optim.epochs), *callbacks],
+            worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},
+        ),
+    )
+
+
+def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_uri: str, mlflow_run_id: str):
+    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED."""
+    from pipeline.tracking import diverged_at, finish_run
+
+    try:
+        result = trainer.fit()
+    except KeyboardInterrupt:
+        finish_run(tracking_uri, mlflow_run_id, "KILLED")
+        raise
+    except BaseException:
+        finish_run(tracking_uri, mlflow_run_id, "FAILED")
+        raise
+    divergence = diverged_at(tracking_uri, mlflow_run_id)
+    if divergence:
+        finish_run(tracking_uri, mlflow_run_id, "FAILED")
+        raise TrainingDiverged(f"loss diverged at {divergence}; MLflow run {mlflow_run_id} marked FAILED")
+    _log_final_model(cfg, data.num_classes, result.checkpoint, tracking_uri, mlflow_run_id)
+    finish_run(tracking_uri, mlflow_run_id, "FINISHED")
+    return result
+
+
+def _log_final_model(cfg: ExperimentConfig, num_classes: int, checkpoint, tracking_uri: str, run_id: str) -> None:
+    from safetensors.torch import load_model
+
+    from pipeline.checkpointing import WEIGHTS_FILE
+    from pipeline.modeling import build_model
+    from pipeline.tracking import log_trained_model
+
+    with checkpoint.as_directory() as directory:
+        weights = Path(directory) / WEIGHTS_FILE
+        model = build_model(cfg.model, num_classes)
+        load_model(model, str(weights))
+        log_trained_model(tracking_uri, run_id, model, weights, cfg.model.img_size)
+
+
+def _model_summary(cfg: ExperimentConfig, num_classes: int) -> str:
+    from models.measure import count_params, params_by_module
+    from pipeline.modeling import build_model
+
+    model = build_model(cfg.model, num_classes, device="meta")
+    total = count_params(model)
+    lines = [f"{cfg.model.name} {cfg.model.args} img_size={cfg.model.img_size} num_classes={num_classes}",
+             f"total parameters: {total:,}", ""]
+    lines += [f"{name:<40}{count:>12,}" for name, count in params_by_module(model, depth=2)]
+    return "\n".join(lines) + "\n\n" + repr(model) + "\n"

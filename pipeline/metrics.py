@@ -1,0 +1,43 @@
+"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Tally:
+    """Sums over samples; ``reduced()`` adds every rank's sums, ``means()`` turns them into metrics."""
+
+    loss_sum: float = 0.0
+    correct_top1: float = 0.0
+    correct_top5: float = 0.0
+    samples: float = 0.0
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor) -> None:
+        """``losses`` holds one loss per sample; only the rows given count."""
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top.eq(labels[:, None])
+        self.loss_sum += losses.float().sum().item()
+        self.correct_top1 += hits[:, 0].sum().item()
+        self.correct_top5 += hits.any(dim=1).sum().item()
+        self.samples += len(labels)
+
+    def reduced(self, device: torch.device) -> Tally:
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        sums = torch.tensor(
+            [self.loss_sum, self.correct_top1, self.correct_top5, self.samples], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(sums)
+        return Tally(*sums.tolist())
+
+    def means(self, prefix: str) -> dict[str, float]:
+        n = max(self.samples, 1.0)
+        return {
+            f"{prefix}_loss": self.loss_sum / n,
+            f"{prefix}_top1": 100.0 * self.correct_top1 / n,
+            f"{prefix}_top5": 100.0 * self.correct_top5 / n,
+        }

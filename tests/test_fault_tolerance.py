@@ -1,0 +1,60 @@
+"""A worker process really dies mid-training: the group restarts from the latest checkpoint and the
+run completes as one MLflow run with continuous epochs."""
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import train_command, vitsweep_env
+
+pytestmark = pytest.mark.slow
+
+
+def _train_workers() -> list[psutil.Process]:
+    workers = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if cmdline.startswith("ray::RayTrainWorker"):
+            workers.append(process)
+    return workers
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def test_killed_worker_restarts_from_checkpoint_and_the_mlflow_run_continues(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    run_dir = storage / "faulty"
+    args = train_command(storage, digits16, "run.name=faulty", "optim.epochs=4", "run.max_failures=2",
+                         "run.checkpoint_every=1")
+    driver = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vitsweep_env())
+    try:
+        _wait_for(lambda: list(run_dir.glob("checkpoint_*")), 300, "the first checkpoint")
+        victims = _wait_for(_train_workers, 60, "the training workers")
+        victim_pid = victims[-1].pid
+        os.kill(victim_pid, signal.SIGKILL)
+        output, _ = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output[-4000:]
+    assert not psutil.pid_exists(victim_pid)
+
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
+    assert len(runs) == 1
+    (run,) = runs
+    assert run.info.status == "FINISHED"
+    epochs = sorted({m.step for m in client.get_metric_history(run.info.run_id, "val_top1")})
+    assert epochs == [0, 1, 2, 3]

@@ -1,0 +1,47 @@
+"""`ray job submit … -- vitsweep train` against a real `ray start --head` cluster on loopback,
+with Ray's token authentication on."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import train_command, vitsweep_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+@pytest.fixture
+def head_node(tmp_path):
+    """A one-node Ray cluster of its own (own ports and temp dir), stopped afterwards."""
+    env = {**vitsweep_env(), "RAY_AUTH_MODE": "token"}
+    start = subprocess.run(
+        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6391", "--dashboard-host=127.0.0.1",
+         "--dashboard-port=8266", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={tmp_path / 'ray'}"],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield "http://127.0.0.1:8266", env
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def test_ray_job_submit_runs_a_training_to_completion(head_node, tmp_path, digits16):
+    address, env = head_node
+    storage = tmp_path / "runs"
+    entrypoint = train_command(storage, digits16, "run.name=submitted")
+    entrypoint[0] = "vitsweep"  # as a user types it; the job runs on the cluster's environment
+    result = subprocess.run(
+        [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *entrypoint],
+        capture_output=True, text=True, env={**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "succeeded" in result.stdout + result.stderr
+    assert "finished submitted" in result.stdout
+    assert (storage / "mlflow.db").is_file()

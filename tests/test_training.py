@@ -1,0 +1,90 @@
+"""`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
+import mlflow
+import mlflow.pytorch
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import run_vitsweep, train_command
+from pipeline.config import load_config
+
+pytestmark = pytest.mark.slow
+
+METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
+ARTIFACTS = {"config.yaml", "deepspeed.json", "model_summary.txt", "model.safetensors"}
+
+
+def _only_run(storage):
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    experiment = client.get_experiment_by_name("vitsweep")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return client, runs[0]
+
+
+@pytest.fixture(scope="module", params=[("1", "bf16"), ("2", "fp32")], ids=["zero1-bf16", "zero2-fp32"])
+def two_epoch_run(request, tmp_path_factory, digits16):
+    stage, precision = request.param
+    storage = tmp_path_factory.mktemp(f"zero{stage}-{precision}")
+    result = run_vitsweep(train_command(
+        storage, digits16, "run.name=e2e", "optim.epochs=2", "optim.lr=2e-3",
+        f"deepspeed.zero_stage={stage}", f"deepspeed.precision={precision}",
+    ))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return storage, result
+
+
+def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
+    storage, result = two_epoch_run
+    assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
+    assert f"sqlite:///{storage}/mlflow.db" in result.stdout and "mlflow ui" in result.stdout
+
+
+def test_loss_decreases_over_two_epochs(two_epoch_run):
+    client, run = _only_run(two_epoch_run[0])
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_mlflow_run_holds_every_config_value_as_a_dotted_param(two_epoch_run):
+    storage, _ = two_epoch_run
+    _, run = _only_run(storage)
+    assert run.info.status == "FINISHED"
+    expected = load_config("smoke").flat().keys()
+    assert set(expected) <= set(run.data.params)
+    assert run.data.params["optim.epochs"] == "2"
+    assert {"model_facts.params", "model_facts.gflops", "model_facts.family", "model_facts.paper"} <= set(run.data.params)
+
+
+def test_mlflow_run_has_one_step_per_epoch_for_each_metric(two_epoch_run):
+    client, run = _only_run(two_epoch_run[0])
+    for metric in METRICS:
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [0, 1], metric
+
+
+def test_mlflow_run_is_tagged_with_the_environment(two_epoch_run):
+    _, run = _only_run(two_epoch_run[0])
+    for tag in ("torch_version", "deepspeed_version", "ray_version", "accelerator", "world_size", "git_commit"):
+        assert run.data.tags.get(tag), tag
+    assert run.data.tags["world_size"] == "2"
+
+
+def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
+    client, run = _only_run(two_epoch_run[0])
+    assert ARTIFACTS <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
+
+
+def test_logged_model_loads_with_mlflow_and_predicts(two_epoch_run):
+    storage, _ = two_epoch_run
+    _, run = _only_run(storage)
+    mlflow.set_tracking_uri(f"sqlite:///{storage}/mlflow.db")
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    assert model(torch.zeros(3, 3, 16, 16)).shape == (3, 10)
+
+
+def test_resuming_with_another_model_is_rejected_before_training(two_epoch_run, digits16):
+    storage, _ = two_epoch_run
+    result = run_vitsweep(train_command(storage, digits16, "run.name=e2e", "model.args.depth=3"))
+    assert result.returncode == 2
+    assert "belongs to another model" in result.stderr and "depth" in result.stderr

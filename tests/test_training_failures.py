@@ -1,0 +1,82 @@
+"""Bad input fails before any cluster work with exit 2; a diverging run stops and is recorded FAILED."""
+import pickle
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import run_vitsweep, train_command
+from pipeline.checkpointing import WeightsOnlyCheckpointEngine
+
+
+def test_invalid_config_exits_2_before_ray_starts(tmp_path, digits16):
+    result = run_vitsweep(train_command(tmp_path / "runs", digits16, "optim.lr=-1"), timeout=120)
+    assert result.returncode == 2 and "optim.lr" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_model_override_exits_2_before_ray_starts(tmp_path, digits16):
+    result = run_vitsweep(train_command(tmp_path / "runs", digits16, "model.args.qkv=quadratic"), timeout=120)
+    assert result.returncode == 2 and "quadratic" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_dataset_exits_2_naming_the_path(tmp_path, digits16):
+    data = {**digits16, "train": tmp_path / "nowhere.beton"}
+    result = run_vitsweep(train_command(tmp_path / "runs", data), timeout=120)
+    assert result.returncode == 2 and "nowhere.beton" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_truncated_dataset_exits_2_naming_the_file(tmp_path, digits16):
+    truncated = tmp_path / "truncated.beton"
+    truncated.write_bytes(digits16["train"].read_bytes()[:4096])
+    (tmp_path / "truncated.beton.json").write_text(digits16["train"].with_suffix(".beton.json").read_text())
+    result = run_vitsweep(train_command(tmp_path / "runs", {**digits16, "train": truncated}), timeout=120)
+    assert result.returncode == 2 and "truncated.beton" in result.stderr
+
+
+def test_unreachable_mlflow_server_is_a_clear_error_not_a_hang(tmp_path, digits16):
+    result = run_vitsweep(
+        train_command(tmp_path / "runs", digits16, "tracking.mlflow_uri=http://127.0.0.1:9"), timeout=120
+    )
+    assert result.returncode == 2 and "http://127.0.0.1:9" in result.stderr and "unreachable" in result.stderr
+
+
+def test_local_mlflow_store_with_a_ray_client_address_is_rejected(tmp_path, digits16):
+    args = train_command(tmp_path / "runs", digits16) + ["--address", "ray://10.0.0.1:10001"]
+    result = run_vitsweep(args, timeout=120)
+    assert result.returncode == 2 and "cannot reach it" in result.stderr
+
+
+@pytest.mark.slow
+def test_diverging_loss_stops_the_run_and_marks_it_failed(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    result = run_vitsweep(train_command(
+        storage, digits16, "run.name=diverge", "optim.lr=1e6", "optim.epochs=3", "optim.weight_decay=0",
+    ))
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "loss diverged at epoch 0 step" in result.stderr
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
+    assert run.info.status == "FAILED"
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (print, ("unpickled arbitrary code",))
+
+
+def test_checkpoint_loading_refuses_arbitrary_pickles(tmp_path):
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(2)}, "payload": _RunsCodeWhenUnpickled()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        WeightsOnlyCheckpointEngine().load(str(path))
+
+
+def test_checkpoint_loading_accepts_tensors_and_containers(tmp_path):
+    path = tmp_path / "state.pt"
+    buffer = {"module": {"w": torch.ones(2)}, "epoch": 3, "rng": [1, 2], "name": "x"}
+    torch.save(buffer, path)
+    loaded = WeightsOnlyCheckpointEngine().load(str(path))
+    assert loaded["epoch"] == 3 and torch.equal(loaded["module"]["w"], torch.ones(2))
