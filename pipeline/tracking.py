@@ -64,6 +64,14 @@ def is_local_store(uri: str) -> bool:
     return uri.startswith(("sqlite:///", "file://")) or "://" not in uri
 
 
+def local_artifact_root(uri: str) -> str | None:
+    """Artifacts of a SQLite store live beside its file; MLflow's default would be ./mlruns in
+    whatever directory the process runs from. A server decides for itself (None)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+
+
 def check_logger_can_reach(uri: str, ray_address: str | None) -> None:
     """Ray Train's controller, which logs each epoch, runs on the driver's node; a Ray Client
     driver (``ray://``) runs on the cluster, so it cannot see a store that is a local file here."""
@@ -88,7 +96,8 @@ def start_or_continue_run(uri: str, experiment: str, run_dir: Path, run_name: st
             client.update_run(saved["run_id"], status="RUNNING")
             return saved["run_id"]
     found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(
+        experiment, artifact_location=local_artifact_root(uri))
     run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({"tracking_uri": uri, "run_id": run_id, "experiment": experiment}))

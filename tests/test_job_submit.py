@@ -1,7 +1,9 @@
 """`ray job submit … -- vitsweep train` against a real `ray start --head` cluster on loopback,
 with Ray's token authentication on."""
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -16,12 +18,14 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture
-def head_node(tmp_path):
+def head_node():
     """A one-node Ray cluster of its own (own ports and temp dir), stopped afterwards."""
-    env = {**vitsweep_env(), "RAY_AUTH_MODE": "token"}
+    # As a user with the venv activated: the cluster (and so each job's driver) finds `vitsweep`.
+    env = {**vitsweep_env(), "RAY_AUTH_MODE": "token", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    ray_dir = tempfile.mkdtemp(prefix="vsray-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     start = subprocess.run(
         [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--port=6391", "--dashboard-host=127.0.0.1",
-         "--dashboard-port=8266", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={tmp_path / 'ray'}"],
+         "--dashboard-port=8266", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={ray_dir}"],
         capture_output=True, text=True, env=env, timeout=180,
     )
     assert start.returncode == 0, start.stdout + start.stderr
@@ -29,6 +33,7 @@ def head_node(tmp_path):
         yield "http://127.0.0.1:8266", env
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def test_ray_job_submit_runs_a_training_to_completion(head_node, tmp_path, digits16):
@@ -38,8 +43,7 @@ def test_ray_job_submit_runs_a_training_to_completion(head_node, tmp_path, digit
     entrypoint[0] = "vitsweep"  # as a user types it; the job runs on the cluster's environment
     result = subprocess.run(
         [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--", *entrypoint],
-        capture_output=True, text=True, env={**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
-        timeout=600,
+        capture_output=True, text=True, env=env, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout + result.stderr

@@ -70,7 +70,9 @@ def test_mlflow_run_is_tagged_with_the_environment(two_epoch_run):
 
 
 def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
-    client, run = _only_run(two_epoch_run[0])
+    storage, _ = two_epoch_run
+    client, run = _only_run(storage)
+    assert run.info.artifact_uri.startswith((storage / "mlartifacts").as_uri())  # not ./mlruns of the cwd
     assert ARTIFACTS <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
 
