@@ -114,7 +114,7 @@ class DataConfig(_Section):
     val_crop_ratio: float = Field(1.0, gt=0.0, le=1.0)  # XCiT evaluates at 1.0, DeiT at 0.875
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    cache_dir: str | None = None  # node-local staging directory; default: under run.storage_path
+    cache_dir: str | None = None  # node-local staging directory; default: $VITSWEEP_CACHE_DIR, else under run.storage_path
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
     @field_validator("crop_scale", "crop_ratio")
@@ -199,6 +199,9 @@ class ScalingConfig(_Section):
     use_gpu: bool = False
     gpus_per_worker: float = Field(0.0, ge=0.0)
     cpus_per_worker: float = Field(1.0, gt=0.0)
+    # Ray's placement group strategy for the workers: PACK fills a node first (one 8-GPU node per
+    # 8 workers), SPREAD puts them on as many nodes as possible; STRICT_* fail rather than bend.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
     @model_validator(mode="after")
     def _gpus_consistent(self) -> ScalingConfig:
@@ -228,6 +231,31 @@ class RunConfig(_Section):
     max_failures: int = Field(0, ge=-1)  # -1: retry forever
 
 
+class TuneConfig(_Section):
+    """A Ray Tune sweep (`vitsweep tune`): searcher, scheduler, budget. `vitsweep train` ignores it.
+
+    Every trial trains with this config's `scaling` (its own Ray Train workers) plus ``trial_cpus``
+    for the trial function that drives them; see README "Sweeps" for how that is sized.
+    """
+
+    name: str | None = None  # sweep directory and MLflow parent run; default: <space>-<time>
+    storage_path: str | None = None  # local path or URI (s3://, gs://); default: run.storage_path
+    searcher: Literal["grid", "random", "tpe"] = "grid"  # tpe: Optuna's TPE via Ray Tune's OptunaSearch
+    # random / tpe: trials to sample (default 10); grid: must stay unset (the grid is run once).
+    num_samples: int | None = Field(None, ge=1)
+    scheduler: Literal["asha", "fifo"] = "asha"
+    metric: Literal["val_top1", "val_top5", "val_loss", "train_loss"] = "val_top1"  # losses are minimised
+    grace_period: int = Field(1, ge=1)  # ASHA: epochs every trial trains before it can be stopped
+    reduction_factor: float = Field(2.0, gt=1.0)  # ASHA: keep the best 1/reduction_factor at each rung
+    max_concurrent_trials: int | None = Field(None, ge=1)  # default: as many as the cluster's CPUs/GPUs fit
+    trial_cpus: float = Field(1.0, gt=0.0)  # CPUs held by each trial's driver function, on top of its workers
+    seed: int | None = Field(None, ge=0)  # sampling seed; default: run.seed
+
+    @property
+    def mode(self) -> Literal["max", "min"]:
+        return "min" if self.metric.endswith("loss") else "max"
+
+
 class ExperimentConfig(_Section):
     """Everything one training run needs; sections mirror the pipeline's components."""
 
@@ -238,6 +266,7 @@ class ExperimentConfig(_Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @model_validator(mode="after")
     def _precision_fits_hardware(self) -> ExperimentConfig:
@@ -246,6 +275,20 @@ class ExperimentConfig(_Section):
                 "deepspeed.precision='fp16' needs GPUs (scaling.use_gpu=true); on CPU use 'bf16' or 'fp32'"
             )
         return self
+
+    def with_absolute_paths(self) -> ExperimentConfig:
+        """A copy whose local paths are absolute: Ray workers run in another working directory."""
+
+        def absolute(location: str | None) -> str | None:
+            if location is None or "://" in location:  # URIs (s3://, gs://, file://) stay as they are
+                return location
+            return str(Path(location).expanduser().resolve())
+
+        data = self.data.model_copy(update={
+            "train": absolute(self.data.train), "val": absolute(self.data.val), "cache_dir": absolute(self.data.cache_dir),
+        })
+        run = self.run.model_copy(update={"storage_path": absolute(self.run.storage_path)})
+        return self.model_copy(update={"data": data, "run": run})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

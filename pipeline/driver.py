@@ -128,6 +128,7 @@ def _start_ray(address: str | None) -> None:
 
 def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
     launched_at = launched_at or time.time()
+    cfg = cfg.with_absolute_paths()
     from pipeline.modeling import check_buildable
     from pipeline.tracking import check_logger_can_reach, check_reachable, resolve_tracking_uri
 
@@ -160,14 +161,18 @@ def _fit(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path
 
 
 def open_mlflow_run(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path, tracking_uri: str,
-                    tags: dict[str, str] | None = None) -> str:
-    """Create (or, for a restarted run, continue) the run's MLflow run and log its setup."""
+                    tags: dict[str, str] | None = None, run_id: str | None = None) -> str:
+    """Create (or, for a restarted run, continue) the run's MLflow run and log its setup.
+
+    ``run_id``: an MLflow run already created for this run (a sweep's trial, keyed by its trial
+    id); it is continued and ``run_dir`` is not consulted.
+    """
     import yaml
 
     from pipeline.engine import deepspeed_config
     from pipeline.tracking import log_run_setup, start_or_continue_run
 
-    mlflow_run_id = start_or_continue_run(tracking_uri, cfg.tracking.experiment, run_dir, run_name, tags)
+    mlflow_run_id = run_id or start_or_continue_run(tracking_uri, cfg.tracking.experiment, run_dir, run_name, tags)
     log_run_setup(
         tracking_uri, mlflow_run_id, cfg,
         files={
@@ -200,6 +205,7 @@ def build_trainer(cfg: ExperimentConfig, data: ResolvedData, run_name: str, stor
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                   **({"GPU": cfg.scaling.gpus_per_worker} if cfg.scaling.use_gpu else {})},
+            placement_strategy=cfg.scaling.placement_strategy,
         ),
         run_config=RunConfig(
             name=run_name,
@@ -216,8 +222,13 @@ def build_trainer(cfg: ExperimentConfig, data: ResolvedData, run_name: str, stor
     )
 
 
-def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_uri: str, mlflow_run_id: str):
-    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED."""
+def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_uri: str, mlflow_run_id: str,
+                   stopped=None):
+    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
+
+    ``stopped``: a callable saying whether the run was stopped on purpose when ``fit()`` raised (a
+    sweep's scheduler stopping a trial); such a run is left RUNNING for its caller to record.
+    """
     from pipeline.tracking import diverged_at, finish_run
 
     try:
@@ -226,7 +237,8 @@ def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_
         finish_run(tracking_uri, mlflow_run_id, "KILLED")
         raise
     except BaseException:
-        finish_run(tracking_uri, mlflow_run_id, "FAILED")
+        if stopped is None or not stopped():
+            finish_run(tracking_uri, mlflow_run_id, "FAILED")
         raise
     divergence = diverged_at(tracking_uri, mlflow_run_id)
     if divergence:

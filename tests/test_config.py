@@ -148,3 +148,11 @@ def test_assignment_after_load_is_validated_too():
     cfg = validate({})
     with pytest.raises(ValueError):
         cfg.optim.lr = -1.0
+
+
+def test_local_paths_become_absolute_and_uris_stay(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("default", ["data.val=s3://bucket/val.beton"]).with_absolute_paths()
+    assert cfg.data.train == str(tmp_path / "vitsweep-runs/data/digits_32_train.beton")
+    assert cfg.run.storage_path == str(tmp_path / "vitsweep-runs")
+    assert cfg.data.val == "s3://bucket/val.beton"

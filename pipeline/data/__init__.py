@@ -1,0 +1,16 @@
+"""The FFCV data layer: every training run reads ``.beton`` files through ``ffcv.loader.Loader``.
+
+One concern per module:
+
+- ``sources``   image sources a ``.beton`` is written from: ImageFolder trees, CIFAR pickles, digits
+- ``writing``   ``write_beton``: parallel, atomic writes of a source into a ``.beton`` and its sidecar
+- ``sidecar``   the JSON beside each ``.beton``: classes, counts, sizes, write options, SHA-256
+- ``integrity`` ``check_beton``: a ``.beton`` is whole and matches its sidecar, before training starts
+- ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
+- ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
+- ``augment``   DeiT's recipe: RandAugment in the FFCV pipeline, ``BatchAugment`` on the device
+- ``prepare``   ``prepare_digits``: the offline dataset of the demo and the tests
+- ``runtime``   containing ffcv's process-wide side effects (torch thread count, finalizer noise)
+
+Nothing is imported here, so reading a sidecar never pays for importing ffcv and numba.
+"""

@@ -1,0 +1,183 @@
+"""FFCV loaders, one function per split, with their pipelines declared per field (as ffcv-imagenet).
+
+Both return batches of ``(images [B, 3, S, S] float32 normalised, labels [B] int64)`` on ``device``.
+The batch tensors are ffcv's reused buffers: consume them before the next batch, copy what you keep.
+
+Distributed (``distributed=True``, torch.distributed initialised, as inside Ray Train workers):
+ffcv shards with torch's ``DistributedSampler``, so each rank reads its own ``ceil(N / world)``
+samples. To make that even it pads with repeats of the first samples, placed last on the ranks
+that come up short; ``ValLoader`` yields the number of real samples in each batch, so metrics
+count every validation sample exactly once across ranks.
+
+The first epoch of each Loader JIT-compiles its pipeline (seconds); later epochs reuse the code.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numba
+import torch
+import torch.distributed as dist
+
+from pipeline.config import DataConfig
+from pipeline.data.augment import RandAugment
+from pipeline.data.integrity import check_beton
+from pipeline.data.runtime import ThreadCountPreservingLoader
+from pipeline.errors import InvalidInputError
+
+# ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
+from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
+from ffcv.loader import OrderOption
+from ffcv.pipeline.allocation_query import AllocationQuery
+from ffcv.pipeline.operation import Operation
+from ffcv.pipeline.state import State
+from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
+
+ORDERS = {"random": OrderOption.RANDOM, "sequential": OrderOption.SEQUENTIAL, "quasi_random": OrderOption.QUASI_RANDOM}
+Pipelines = dict[str, list[Operation]]
+
+
+class NormalizeToFloat(Operation):
+    """uint8 [B, C, H, W] -> float32 ``(x - 255 mean) / (255 std)``, with torch ops on the batch's device.
+
+    ffcv's own ``NormalizeImage`` needs cupy on GPUs (not a dependency here); this one writes into a
+    buffer ffcv allocates per batch slot, so the output is safe under ffcv's CUDA-stream reuse rules.
+    """
+
+    def __init__(self, mean: tuple[float, float, float], std: tuple[float, float, float]):
+        super().__init__()
+        self.mean_255, self.std_255 = torch.tensor(mean) * 255, torch.tensor(std) * 255
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        self.device = previous_state.device
+        return (replace(previous_state, dtype=torch.float32),
+                AllocationQuery(previous_state.shape, torch.float32, previous_state.device))
+
+    def generate_code(self) -> Callable:
+        mean = self.mean_255.view(1, 3, 1, 1).to(self.device)
+        inverse_std = (1 / self.std_255).view(1, 3, 1, 1).to(self.device)
+
+        def normalize(images: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
+            destination = destination[: images.shape[0]]
+            destination.copy_(images)  # uint8 channels-last -> float32 contiguous
+            return destination.sub_(mean).mul_(inverse_std)
+
+        return normalize
+
+
+def label_pipeline(device: torch.device) -> list[Operation]:
+    # Squeeze(1), not Squeeze(): a batch of one must stay [1], not become a scalar.
+    return [IntDecoder(), ToTensor(), Squeeze(1), ToDevice(device, non_blocking=True)]
+
+
+def train_pipelines(data: DataConfig, img_size: int, device: torch.device) -> Pipelines:
+    image: list[Operation] = [
+        RandomResizedCropRGBImageDecoder((img_size, img_size), scale=data.crop_scale, ratio=data.crop_ratio),
+    ]
+    if data.augment.hflip > 0:
+        image.append(RandomHorizontalFlip(data.augment.hflip))
+    if data.augment.rand_augment:
+        image.append(RandAugment(data.augment.rand_augment, img_size, data.mean))
+    image += [ToTensor(), ToDevice(device, non_blocking=True), ToTorchImage(), NormalizeToFloat(data.mean, data.std)]
+    return {"image": image, "label": label_pipeline(device)}
+
+
+def val_pipelines(data: DataConfig, img_size: int, device: torch.device) -> Pipelines:
+    image: list[Operation] = [
+        CenterCropRGBImageDecoder((img_size, img_size), ratio=data.val_crop_ratio),
+        ToTensor(), ToDevice(device, non_blocking=True), ToTorchImage(), NormalizeToFloat(data.mean, data.std),
+    ]
+    return {"image": image, "label": label_pipeline(device)}
+
+
+def build_train_loader(
+    data: DataConfig,
+    path: str | Path,
+    batch_size: int,
+    img_size: int,
+    device: torch.device | str,
+    distributed: bool = False,
+    seed: int = 0,
+) -> ThreadCountPreservingLoader:
+    """Random-resized-crop training batches from a local ``.beton`` (``stage_dataset`` gives one)."""
+    check_beton(path)
+    _check_distributed(distributed, data.order)
+    _check_threads(data.num_workers)
+    return ThreadCountPreservingLoader(
+        str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
+        order=ORDERS[data.order], distributed=distributed, seed=seed, drop_last=data.drop_last,
+        batches_ahead=data.batches_ahead, pipelines=train_pipelines(data, img_size, torch.device(device)),
+    )
+
+
+@dataclass
+class ValLoader:
+    """Center-crop validation batches as ``(images, labels, num_real)``: count ``[:num_real]`` only.
+
+    ``num_real`` is below the batch size only in the last batch of a rank that ffcv padded; a
+    rank's batches are never dropped, so every rank runs the same number of forward passes.
+    """
+
+    loader: ThreadCountPreservingLoader
+    num_samples: int  # real samples this rank reads; summed over ranks: the dataset size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        seen = 0
+        for images, labels in self.loader:
+            yield images, labels, max(0, min(len(labels), self.num_samples - seen))
+            seen += len(labels)
+
+
+def build_val_loader(
+    data: DataConfig,
+    path: str | Path,
+    batch_size: int,
+    img_size: int,
+    device: torch.device | str,
+    distributed: bool = False,
+) -> ValLoader:
+    """Center-crop (``data.val_crop_ratio``) validation in file order; every sample once, nothing dropped."""
+    sidecar = check_beton(path)
+    _check_distributed(distributed, "sequential")
+    _check_threads(data.num_workers)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    loader = ThreadCountPreservingLoader(
+        str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
+        order=OrderOption.SEQUENTIAL, distributed=distributed, seed=0, drop_last=False,
+        batches_ahead=data.batches_ahead, pipelines=val_pipelines(data, img_size, torch.device(device)),
+    )
+    return ValLoader(loader, rank_sample_count(sidecar.num_samples, rank, world_size))
+
+
+def rank_sample_count(num_samples: int, rank: int, world_size: int) -> int:
+    """Real samples on ``rank`` under DistributedSampler sharding (rank r reads positions r, r+W, ...)."""
+    return len(range(rank, num_samples, world_size))
+
+
+def _check_threads(num_workers: int) -> None:
+    # ffcv decodes on numba's thread pool, which cannot grow past NUMBA_NUM_THREADS (the CPU count).
+    available = numba.config.NUMBA_NUM_THREADS
+    if num_workers > available:
+        raise InvalidInputError(
+            f"data.num_workers={num_workers} exceeds the {available} decoding threads this node can run "
+            f"(numba's NUMBA_NUM_THREADS); use 1..{available}"
+        )
+
+
+def _check_distributed(distributed: bool, order: str) -> None:
+    if not distributed:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("distributed=True needs torch.distributed initialised first (Ray Train does this)")
+    if order == "quasi_random":
+        raise InvalidInputError(
+            "data.order='quasi_random' cannot be sharded across ranks by ffcv 1.0.2; use 'random' "
+            "(with data.os_cache=true on a node-local copy, see stage_dataset) or train on one worker"
+        )
+

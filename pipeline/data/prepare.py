@@ -1,0 +1,43 @@
+"""``data.prepare: digits``: write the offline digits dataset to ``data.train``/``data.val`` if absent.
+
+Used by the embedded demo and the tests, so a fresh machine trains without any download. Safe to
+call from every worker of a node at once: a lock beside each file makes one of them write it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from filelock import FileLock
+
+from pipeline.config import DataConfig
+from pipeline.data.sidecar import WriteOptions, sidecar_path
+from pipeline.data.sources import DigitsSource
+from pipeline.data.staging import is_uri
+from pipeline.data.writing import write_beton
+from pipeline.errors import InvalidInputError
+
+
+def prepare_digits(data: DataConfig, img_size: int, num_workers: int | None = None) -> tuple[Path, Path]:
+    """Absolute (train, val) paths, written at ``img_size`` px (raw mode: exact pixels) if absent.
+
+    Absolute because Ray Train workers do not run in the driver's working directory.
+    """
+    written = []
+    for split, location in (("train", data.train), ("val", data.val)):
+        if is_uri(location):
+            raise InvalidInputError(
+                f"data.prepare='digits' writes local files, but data.{split}={location!r} is a URI; "
+                "point it at a local path"
+            )
+        path = Path(location).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if path.exists() and not sidecar_path(path).exists():
+                raise InvalidInputError(
+                    f"data.prepare='digits' would write data.{split}={location!r}, which exists without a "
+                    "sidecar (not written by vitsweep); remove it or unset data.prepare"
+                )
+            if not path.exists():
+                write_beton(DigitsSource(split, img_size), path, WriteOptions(write_mode="raw"), num_workers=num_workers)
+        written.append(path)
+    return written[0], written[1]

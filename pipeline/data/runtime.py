@@ -1,0 +1,79 @@
+"""ffcv's process-wide side effects, contained.
+
+- ``import ffcv`` calls ``torch.set_num_threads(1)``, and every ``Loader.__init__``/``__iter__``
+  sets it to the loader's ``num_workers``: CPU training would silently run on the wrong number of
+  threads. Import ffcv through this module (``pipeline.data`` modules all do) and build loaders as
+  ``ThreadCountPreservingLoader``. Only the calling thread's count changes (OpenMP keeps it per
+  thread), so the loader's own background thread may keep ffcv's setting.
+- When a Loader is garbage-collected, numba dispatcher finalizers can report a harmless
+  ``KeyError`` through ``sys.unraisablehook``; ``quiet_numba_finalizers`` drops exactly that report
+  for user-facing commands and passes every other one on.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+@contextlib.contextmanager
+def preserved_torch_threads() -> Iterator[None]:
+    """Restore torch's intra-op thread count after the block, whatever ffcv set it to."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+with preserved_torch_threads():
+    import ffcv  # noqa: F401  (sets torch's thread count to 1 at import)
+    from ffcv.loader import Loader as _FFCVLoader
+
+FFCV_VERSION = importlib.metadata.version("ffcv")  # ffcv.__version__ says 0.0.3rc1 in 1.0.2
+
+
+class ThreadCountPreservingLoader(_FFCVLoader):
+    """``ffcv.loader.Loader`` that leaves the caller's torch thread count as it found it."""
+
+    def __init__(self, *args, **kwargs):
+        with preserved_torch_threads():
+            super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        with preserved_torch_threads():
+            return super().__iter__()
+
+
+_NUMBA_DISPATCHER = str(Path("numba") / "core" / "dispatcher.py")
+
+
+def _is_numba_finalizer_key_error(unraisable) -> bool:
+    if unraisable.exc_type is not KeyError:
+        return False
+    traceback = unraisable.exc_traceback
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_name == "finalizer" and code.co_filename.endswith(_NUMBA_DISPATCHER):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def quiet_numba_finalizers() -> None:
+    """Drop numba's finalizer ``KeyError`` reports (Loader GC); every other report goes through."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_numba_finalizer_key_errors", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _is_numba_finalizer_key_error(unraisable):
+            previous(unraisable)
+
+    hook._drops_numba_finalizer_key_errors = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+

@@ -1,0 +1,103 @@
+"""`vitsweep data ...` and prepare_digits: offline on a fresh machine, exit 2 on bad input."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
+from pipeline.config import DataConfig
+from pipeline.data.prepare import prepare_digits
+from pipeline.data.sidecar import read_sidecar
+from pipeline.errors import InvalidInputError
+
+VITSWEEP = Path(sys.executable).parent / "vitsweep"
+
+
+def test_write_digits_then_inspect_works_offline_and_saves_a_sample_grid(tmp_path):
+    beton = tmp_path / "digits_train.beton"
+    written = subprocess.run(
+        [str(VITSWEEP), "data", "write", "digits", str(beton), "--split", "train", "--img-size", "16", "--workers", "2"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert written.returncode == 0, written.stderr
+    assert "1437 samples, 10 classes" in written.stdout
+    inspected = subprocess.run([str(VITSWEEP), "data", "inspect", str(beton), "--samples", "9"],
+                               capture_output=True, text=True, cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "1437 in 10 classes" in inspected.stdout and "sha256" in inspected.stdout
+    counts = read_sidecar(beton).counts_per_class
+    assert all(f"  {digit}  {counts[digit]}" in inspected.stdout for digit in counts)
+    grid = Image.open(tmp_path / "digits_train_samples.png")
+    assert grid.size == (3 * 96, 3 * (96 + 14))
+    assert "Exception ignored" not in inspected.stderr + written.stderr
+
+
+def test_write_of_a_missing_source_exits_2_naming_it(tmp_path, capsys):
+    assert main(["data", "write", str(tmp_path / "no_such_dir"), str(tmp_path / "x.beton")]) == EXIT_INVALID_INPUT
+    assert "no_such_dir" in capsys.readouterr().err
+    assert not (tmp_path / "x.beton").exists()
+
+
+def test_write_option_out_of_range_exits_2_naming_the_flag(tmp_path, capsys):
+    code = main(["data", "write", "digits", str(tmp_path / "x.beton"), "--split", "val", "--jpeg-quality", "101"])
+    assert code == EXIT_INVALID_INPUT and "--jpeg-quality" in capsys.readouterr().err
+
+
+def test_write_of_an_imagefolder_warns_about_skipped_files_on_stderr(tmp_path, capsys):
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "src" / "cat" / "a.png")
+    (tmp_path / "src" / "cat" / "notes.txt").write_text("not an image")
+    assert main(["data", "write", str(tmp_path / "src"), str(tmp_path / "x.beton"), "--workers", "1"]) == EXIT_OK
+    assert "warning: skipped 1 non-image file(s)" in capsys.readouterr().err
+
+
+def test_inspect_of_a_truncated_file_exits_2_naming_it(tmp_path, capsys):
+    beton = tmp_path / "d.beton"
+    assert main(["data", "write", "digits", str(beton), "--split", "val", "--img-size", "8", "--workers", "1"]) == EXIT_OK
+    beton.write_bytes(beton.read_bytes()[:-10])
+    capsys.readouterr()
+    assert main(["data", "inspect", str(beton)]) == EXIT_INVALID_INPUT
+    assert "d.beton" in capsys.readouterr().err
+
+
+def test_stage_prints_the_local_copy_of_a_uri(tmp_path, capsys):
+    beton = tmp_path / "d.beton"
+    assert main(["data", "write", "digits", str(beton), "--split", "val", "--img-size", "8", "--workers", "1"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["data", "stage", f"file://{beton}", "--cache-dir", str(tmp_path / "cache")]) == EXIT_OK
+    local = Path(capsys.readouterr().out.strip())
+    assert local.is_file() and local.parent.parent == tmp_path / "cache"
+
+
+def test_prepare_digits_writes_train_and_val_once(tmp_path):
+    data = DataConfig(train=str(tmp_path / "d" / "train.beton"), val=str(tmp_path / "d" / "val.beton"), prepare="digits")
+    train, val = prepare_digits(data, img_size=8, num_workers=1)
+    assert train.is_absolute() and val == tmp_path / "d" / "val.beton"
+    assert (read_sidecar(train).num_samples, read_sidecar(val).num_samples) == (1437, 360)
+    assert read_sidecar(train).source.split == "train" and read_sidecar(val).image_size.max_width == 8
+    stamps = (train.stat().st_mtime_ns, val.stat().st_mtime_ns)
+    assert prepare_digits(data, img_size=8) == (train, val)
+    assert (train.stat().st_mtime_ns, val.stat().st_mtime_ns) == stamps
+
+
+def test_prepare_digits_never_overwrites_a_file_it_did_not_write(tmp_path):
+    (tmp_path / "mine.beton").write_bytes(b"someone's dataset")
+    data = DataConfig(train=str(tmp_path / "mine.beton"), val=str(tmp_path / "val.beton"), prepare="digits")
+    with pytest.raises(InvalidInputError, match="mine.beton"):
+        prepare_digits(data, img_size=8)
+    assert (tmp_path / "mine.beton").read_bytes() == b"someone's dataset"
+
+
+def test_prepare_digits_refuses_uris(tmp_path):
+    data = DataConfig(train="s3://bucket/train.beton", val=str(tmp_path / "val.beton"), prepare="digits")
+    with pytest.raises(InvalidInputError, match="s3://bucket/train.beton"):
+        prepare_digits(data, img_size=8)
+
+
+def test_data_prepare_command_writes_the_configs_files(tmp_path, capsys):
+    code = main(["data", "prepare", "-c", "smoke", "--set", f"data.train={tmp_path}/t.beton",
+                 "--set", f"data.val={tmp_path}/v.beton"])
+    assert code == EXIT_OK
+    assert read_sidecar(tmp_path / "t.beton").image_size.max_width == 16  # the smoke preset's model.img_size

@@ -1,0 +1,74 @@
+"""ffcv's process-wide side effects stay contained: thread count on import, finalizer noise on GC."""
+import gc
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.data.runtime import quiet_numba_finalizers
+from pipeline.data.sources import DigitsSource
+from pipeline.data.writing import write_beton
+
+
+def test_importing_the_data_layer_keeps_torchs_thread_count():
+    script = ("import torch; torch.set_num_threads(2); import pipeline.data.loaders; "
+              "print(torch.get_num_threads())")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "2"  # a bare `import ffcv` leaves 1
+
+
+# In a fresh interpreter: numba's finalizer noise depends on what was compiled before in the process.
+_LOADER_GC_SCRIPT = """
+import gc, json, sys
+from pipeline.config import AugmentConfig, DataConfig
+from pipeline.data.loaders import build_train_loader, build_val_loader
+from pipeline.data.runtime import quiet_numba_finalizers
+
+plain = AugmentConfig(rand_augment=None, hflip=0.0, mixup_alpha=0.0, cutmix_alpha=0.0, random_erasing=0.0)
+reports = []
+sys.unraisablehook = lambda report: reports.append(report.exc_type.__name__)
+
+def build_iterate_and_drop_loaders():
+    for build in (build_val_loader, build_train_loader):
+        for _ in build(DataConfig(num_workers=1, augment=plain), sys.argv[1], 64, 8, "cpu"):
+            pass
+    gc.collect()
+
+build_iterate_and_drop_loaders()
+unfiltered = list(reports)
+reports.clear()
+quiet_numba_finalizers()
+build_iterate_and_drop_loaders()
+print(json.dumps({"unfiltered": unfiltered, "filtered": reports}))
+"""
+
+
+def test_numba_finalizer_key_errors_on_loader_gc_are_dropped(tmp_path):
+    path = tmp_path / "digits.beton"
+    write_beton(DigitsSource("val", 8), path, num_workers=1)
+    result = subprocess.run([sys.executable, "-c", _LOADER_GC_SCRIPT, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    reports = json.loads(result.stdout.strip().splitlines()[-1])
+    assert reports["unfiltered"] and set(reports["unfiltered"]) == {"KeyError"}  # the noise this stack makes...
+    assert reports["filtered"] == []  # ...and what users see of it
+
+
+@pytest.fixture
+def recorded_unraisables(monkeypatch):
+    """Unraisable-exception reports that reach the hook installed before quiet_numba_finalizers."""
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    return reports
+
+
+class _RaisesWhenCollected:
+    def __del__(self):
+        raise KeyError("a real bug elsewhere")
+
+
+def test_other_unraisable_exceptions_still_reach_the_previous_hook(recorded_unraisables):
+    quiet_numba_finalizers()
+    _RaisesWhenCollected()
+    gc.collect()
+    assert [r.exc_type for r in recorded_unraisables] == [KeyError]
