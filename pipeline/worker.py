@@ -37,7 +37,7 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader, build_val_loader
     from pipeline.data.runtime import quiet_numba_finalizers
-    from pipeline.data.staging import stage_dataset
+    from pipeline.data.staging import cache_dir_for, stage_dataset
     from pipeline.engine import deepspeed_config
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
@@ -51,7 +51,7 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
     quiet_numba_finalizers()
 
     # Data: this node's copy of each dataset, this rank's shard of it.
-    cache_dir = cfg.data.cache_dir or str(Path(cfg.run.storage_path).expanduser() / "cache")
+    cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)  # this node's own disk
     train_loader = build_train_loader(
         cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
         device, distributed=world_size > 1, seed=cfg.run.seed,

@@ -72,12 +72,6 @@ def test_config_validate_rejects_an_unknown_constructor_argument(capsys):
     assert "model.args" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["train", "tune", "compare"])
-def test_subcommands_not_yet_available_say_so_and_exit_nonzero(command, capsys):
-    assert main([command]) == EXIT_FAILURE
-    assert "not available" in capsys.readouterr().err
-
-
 def test_make_test_fails_when_a_test_fails(tmp_path):
     (tmp_path / "test_broken.py").write_text("def test_broken():\n    assert 1 == 2\n")
     result = _make_test(tmp_path / "test_broken.py")
