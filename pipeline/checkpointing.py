@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from pipeline.config import ModelConfig
 from pipeline.errors import InvalidInputError
@@ -29,19 +28,24 @@ class CheckpointMismatchError(InvalidInputError):
     """A checkpoint of another model (name, overrides, resolution or classes) than the config's."""
 
 
-class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+def weights_only_checkpoint_engine(config_params=None):
     """DeepSpeed's torch checkpoint engine, but loading with ``weights_only=True``.
 
     DeepSpeed's own engine unpickles arbitrary objects; a checkpoint from shared storage must
     not be able to run code. Tensors, numbers, strings and containers load; anything else fails.
+    (Built on demand: importing DeepSpeed costs seconds the driver does not need to spend.)
     """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    return WeightsOnlyCheckpointEngine(config_params)
 
 
 def use_weights_only_loading(engine) -> None:
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+    engine.checkpoint_engine = weights_only_checkpoint_engine(engine._config)
 
 
 def model_identity(cfg: ModelConfig, num_classes: int) -> dict[str, Any]:
@@ -81,28 +85,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"]))
 
 
-def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int) -> None:
+def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None) -> None:
     """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata."""
-    engine.save_checkpoint(
-        str(directory), tag=DEEPSPEED_TAG, client_state={"epoch": epoch, f"rng_rank{rank}": rng_state()}
-    )
+    client_state = {"epoch": epoch, f"rng_rank{rank}": rng_state()}
+    if ema is not None:
+        client_state["ema"] = ema.module.state_dict()
+    engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
     if rank == 0:
         (directory / META_FILE).write_text(json.dumps({"model": identity, "epoch": epoch}, indent=2))
 
 
-def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int) -> int:
-    """Restore model, optimizer, scheduler and RNG state; returns the epoch to start from."""
+def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> int:
+    """Restore model, optimizer, scheduler, EMA and RNG state; returns the epoch to start from."""
     check_same_model(read_meta(directory), identity, str(directory))
     _, client_state = engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG)
     if client_state is None:
         raise InvalidInputError(f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}")
+    if ema is not None:
+        if "ema" not in client_state:
+            raise InvalidInputError(f"checkpoint {directory} has no EMA weights, but optim.ema_decay is set")
+        ema.module.load_state_dict(client_state["ema"])
     own_rng = client_state.get(f"rng_rank{rank}")
     if own_rng is not None:  # absent when resuming with more workers than the checkpoint had
         set_rng_state(own_rng)
     return int(client_state["epoch"]) + 1
 
 
-def save_final_weights(engine, directory: Path, rank: int) -> None:
+EMA_WEIGHTS_FILE = "model_ema.safetensors"
+
+
+def save_final_weights(engine, directory: Path, rank: int, ema=None) -> None:
     """Full fp32 weights as safetensors on rank 0 (gathered from all ranks under ZeRO-3)."""
     import deepspeed
     from safetensors.torch import save_model
@@ -112,3 +124,5 @@ def save_final_weights(engine, directory: Path, rank: int) -> None:
         if rank == 0:
             # save_model de-duplicates tensors shared between blocks (F-SNE, P-SNE).
             save_model(copy.deepcopy(engine.module).float(), str(directory / WEIGHTS_FILE))
+            if ema is not None:
+                save_model(ema.module, str(directory / EMA_WEIGHTS_FILE))

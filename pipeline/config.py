@@ -160,6 +160,9 @@ class OptimConfig(_Section):
     micro_batch_size: int = Field(64, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
     grad_clip: float | None = Field(None, gt=0.0)  # max grad norm; null = no clipping
+    # Exponential moving average of the weights, updated every optimizer step (DeiT: 0.99996);
+    # evaluated beside the model each epoch (val_top1_ema, ...). null: no EMA.
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
     @field_validator("betas")
@@ -267,6 +270,15 @@ class ExperimentConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
+
+    @model_validator(mode="after")
+    def _ema_needs_whole_parameters(self) -> ExperimentConfig:
+        if self.optim.ema_decay is not None and self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "optim.ema_decay needs every rank to hold whole parameters; deepspeed.zero_stage=3 "
+                "partitions them: use zero_stage 0-2 with EMA"
+            )
+        return self
 
     @model_validator(mode="after")
     def _precision_fits_hardware(self) -> ExperimentConfig:

@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,7 @@ def model_facts(cfg: ExperimentConfig, num_classes: int) -> dict[str, Any]:
 
 
 def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
-    import deepspeed
-    import ray
-    import torch
+    from importlib.metadata import version
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
@@ -102,9 +101,9 @@ def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
     except OSError:
         commit = ""
     return {
-        "torch_version": torch.__version__,
-        "deepspeed_version": deepspeed.__version__,
-        "ray_version": ray.__version__,
+        "torch_version": version("torch"),
+        "deepspeed_version": version("deepspeed"),
+        "ray_version": version("ray"),
         "python_version": platform.python_version(),
         "accelerator": "cuda" if cfg.scaling.use_gpu else "cpu",
         "world_size": str(cfg.scaling.num_workers),
@@ -130,7 +129,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
     launched_at = launched_at or time.time()
     cfg = cfg.with_absolute_paths()
     from pipeline.modeling import check_buildable
-    from pipeline.tracking import check_logger_can_reach, check_reachable, resolve_tracking_uri
+    from pipeline.tracking import check_logger_can_reach, check_reachable, finish_run, resolve_tracking_uri
 
     # 1. Everything that can be checked here, before Ray starts.
     check_buildable(cfg.model)
@@ -146,15 +145,16 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
         raise InvalidInputError(str(err)) from None
     check_resumable(run_dir, cfg, data.num_classes)
 
-    # 2. Ray, the MLflow run, the trainer.
+    # 2. Ray and the MLflow run (set up side by side: both mostly wait), then the trainer.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
-    _start_ray(address)
-    return _fit(cfg, data, run_name, run_dir, storage, tracking_uri, launched_at)
-
-
-def _fit(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path, storage: Path,
-         tracking_uri: str, launched_at: float) -> TrainingOutcome:
-    mlflow_run_id = open_mlflow_run(cfg, data, run_name, run_dir, tracking_uri)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        opening = pool.submit(open_mlflow_run, cfg, data, run_name, run_dir, tracking_uri)
+        try:
+            _start_ray(address)
+        except BaseException:
+            finish_run(tracking_uri, opening.result(), "FAILED")
+            raise
+        mlflow_run_id = opening.result()
     trainer = build_trainer(cfg, data, run_name, storage, tracking_uri, mlflow_run_id, launched_at)
     result = fit_and_record(trainer, cfg, data, tracking_uri, mlflow_run_id)
     return TrainingOutcome(run_name, run_dir, tracking_uri, mlflow_run_id, dict(result.metrics))
@@ -252,7 +252,9 @@ def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_
 def _log_final_model(cfg: ExperimentConfig, num_classes: int, checkpoint, tracking_uri: str, run_id: str) -> None:
     from safetensors.torch import load_model
 
-    from pipeline.checkpointing import WEIGHTS_FILE
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.checkpointing import EMA_WEIGHTS_FILE, WEIGHTS_FILE
     from pipeline.modeling import build_model
     from pipeline.tracking import log_trained_model
 
@@ -261,6 +263,8 @@ def _log_final_model(cfg: ExperimentConfig, num_classes: int, checkpoint, tracki
         model = build_model(cfg.model, num_classes)
         load_model(model, str(weights))
         log_trained_model(tracking_uri, run_id, model, weights, cfg.model.img_size)
+        if (Path(directory) / EMA_WEIGHTS_FILE).exists():
+            MlflowClient(tracking_uri).log_artifact(run_id, str(Path(directory) / EMA_WEIGHTS_FILE))
 
 
 def _model_summary(cfg: ExperimentConfig, num_classes: int) -> str:

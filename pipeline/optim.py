@@ -46,3 +46,12 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, total_steps, steps_per_epoch, cfg) / cfg.lr
     )
+
+
+def build_ema(model: nn.Module, cfg: OptimConfig):
+    """timm's EMA of ``model`` with an fp32 shadow (a bf16 shadow would lose decays near 1)."""
+    from timm.utils.model_ema import ModelEmaV3
+
+    ema = ModelEmaV3(model, decay=cfg.ema_decay)
+    ema.module.float()
+    return ema

@@ -40,7 +40,7 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
     from pipeline.data.staging import cache_dir_for, stage_dataset
     from pipeline.engine import deepspeed_config
     from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer, build_scheduler
+    from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
     plan = WorkerPlan(**plan_dict)
     cfg = ExperimentConfig.model_validate(plan.config)
@@ -72,13 +72,14 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
     )
     use_weights_only_loading(engine)
     identity = model_identity(cfg.model, plan.num_classes)
+    ema = build_ema(engine.module, cfg.optim) if cfg.optim.ema_decay is not None else None
 
     # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run).
     start_epoch = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            start_epoch = load_checkpoint(engine, Path(directory), identity=identity, rank=rank)
+            start_epoch = load_checkpoint(engine, Path(directory), identity=identity, rank=rank, ema=ema)
     train_loader.next_epoch = start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
     augment = BatchAugment(cfg.data.augment, plan.num_classes, device)
@@ -97,6 +98,8 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
             loss = criterion(logits.float(), targets)
             engine.backward(loss)
             engine.step()
+            if ema is not None and engine.is_gradient_accumulation_boundary():
+                ema.update(engine.module, step=engine.global_steps)
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss)  # one collective: the global loss, and NaN/inf on any rank
             if not torch.isfinite(global_loss):
@@ -116,6 +119,7 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
             "lr": engine.get_lr()[0],
             "images_per_sec": samples / train_seconds,
             **evaluate(engine, val_loader, input_dtype, device),
+            **({} if ema is None else _suffixed(evaluate(ema.module, val_loader, torch.float32, device), "_ema")),
             "epoch_time_s": time.perf_counter() - epoch_start,
         }
         if epoch == start_epoch and start_epoch == 0:
@@ -123,24 +127,29 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
         last = epoch == cfg.optim.epochs - 1
         if (epoch + 1) % cfg.run.checkpoint_every == 0 or last:
             with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
-                save_checkpoint(engine, Path(directory), epoch=epoch, identity=identity, rank=rank)
+                save_checkpoint(engine, Path(directory), epoch=epoch, identity=identity, rank=rank, ema=ema)
                 if last:
-                    save_final_weights(engine, Path(directory), rank)
+                    save_final_weights(engine, Path(directory), rank, ema=ema)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
         else:
             ray.train.report(metrics)
 
 
-def evaluate(engine, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """Top-1/top-5 and loss over every validation sample exactly once across ranks."""
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
+    exactly once across ranks."""
     from pipeline.metrics import Tally
 
-    engine.eval()
+    model.eval()
     tally = Tally()
     with torch.no_grad():
         for images, labels, num_real in val_loader:
-            logits = engine(images.to(input_dtype)).float()[:num_real]
+            logits = model(images.to(input_dtype)).float()[:num_real]
             labels = labels[:num_real]
             tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
     return tally.reduced(device).means("val")
 
+
+
+def _suffixed(metrics: dict[str, float], suffix: str) -> dict[str, float]:
+    return {f"{key}{suffix}": value for key, value in metrics.items()}

@@ -82,6 +82,8 @@ INVALID = [
     ("empty_experiment_name", ["tracking.experiment="], "tracking.experiment"),
     ("max_failures_below_minus_one", ["run.max_failures=-2"], "run.max_failures"),
     ("override_into_a_value", ["optim.lr.value=1"], "optim.lr"),
+    ("ema_decay_of_one", ["optim.ema_decay=1.0"], "optim.ema_decay"),
+    ("ema_with_zero_stage_3", ["optim.ema_decay=0.999", "deepspeed.zero_stage=3"], "ema_decay"),
 ]
 
 

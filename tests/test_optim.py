@@ -63,3 +63,17 @@ def test_scheduler_sets_the_optimizer_lr_each_step():
         scheduler.step()
     assert seen[:5] == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert seen[5] < 1e-3 and seen[7] < seen[5]
+
+
+def test_ema_keeps_an_fp32_shadow_that_moves_toward_the_model():
+    from pipeline.optim import build_ema
+
+    model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    ema = build_ema(model, OptimConfig(ema_decay=0.5))
+    assert all(p.dtype == torch.float32 for p in ema.module.parameters())
+    before = ema.module.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model, step=10)  # timm copies the weights at step <= 1, then averages
+    expected = 0.5 * before + 0.5 * model.weight.float()
+    assert torch.allclose(ema.module.weight, expected, atol=1e-2)

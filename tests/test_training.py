@@ -90,3 +90,13 @@ def test_resuming_with_another_model_is_rejected_before_training(two_epoch_run, 
     result = run_vitsweep(train_command(storage, digits16, "run.name=e2e", "model.args.depth=3"))
     assert result.returncode == 2
     assert "belongs to another model" in result.stderr and "depth" in result.stderr
+
+
+def test_ema_is_evaluated_each_epoch_and_its_weights_logged(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    result = run_vitsweep(train_command(storage, digits16, "run.name=ema", "optim.epochs=2", "optim.ema_decay=0.9"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client, run = _only_run(storage)
+    for metric in ("val_top1_ema", "val_top5_ema", "val_loss_ema"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [0, 1], metric
+    assert "model_ema.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id)}

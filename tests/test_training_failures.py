@@ -6,7 +6,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import run_vitsweep, train_command
-from pipeline.checkpointing import WeightsOnlyCheckpointEngine
+from pipeline.checkpointing import weights_only_checkpoint_engine
 
 
 def test_invalid_config_exits_2_before_ray_starts(tmp_path, digits16):
@@ -71,12 +71,12 @@ def test_checkpoint_loading_refuses_arbitrary_pickles(tmp_path):
     path = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {"w": torch.zeros(2)}, "payload": _RunsCodeWhenUnpickled()}, path)
     with pytest.raises(pickle.UnpicklingError):
-        WeightsOnlyCheckpointEngine().load(str(path))
+        weights_only_checkpoint_engine().load(str(path))
 
 
 def test_checkpoint_loading_accepts_tensors_and_containers(tmp_path):
     path = tmp_path / "state.pt"
     buffer = {"module": {"w": torch.ones(2)}, "epoch": 3, "rng": [1, 2], "name": "x"}
     torch.save(buffer, path)
-    loaded = WeightsOnlyCheckpointEngine().load(str(path))
+    loaded = weights_only_checkpoint_engine().load(str(path))
     assert loaded["epoch"] == 3 and torch.equal(loaded["module"]["w"], torch.ones(2))
