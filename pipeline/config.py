@@ -25,6 +25,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def check_registered(name: str) -> str:
+    """``name`` if timm (with vitsweep's variants) can build it, else a ValueError with close names."""
+    import timm
+
+    import models  # noqa: F401  (registers vitsweep's variants)
+
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        hint = f"; did you mean one of {close}" if close else ""
+        raise ValueError(f"{name!r} is not a registered model{hint} (see `vitsweep models list`)")
+    return name
+
+
 class ModelConfig(_Section):
     """Which registered model to build, and the keyword overrides it is built with."""
 
@@ -37,15 +50,7 @@ class ModelConfig(_Section):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        import timm
-
-        import models  # noqa: F401  (registers vitsweep's variants)
-
-        if not timm.is_model(name):
-            close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-            hint = f"; did you mean one of {close}" if close else ""
-            raise ValueError(f"{name!r} is not a registered model{hint} (see `vitsweep models list`)")
-        return name
+        return check_registered(name)
 
     @field_validator("args")
     @classmethod
@@ -259,6 +264,29 @@ class TuneConfig(_Section):
         return "min" if self.metric.endswith("loss") else "max"
 
 
+class DistillConfig(_Section):
+    """DeiT hard-label distillation (papers 000, 002, 003 report distilled results): the student
+    learns from (1 - alpha)·task loss + alpha·CE(student, argmax teacher). No teacher: off."""
+
+    teacher: str | None = None  # a registered timm model name, e.g. regnety_160 (DeiT's teacher)
+    teacher_args: dict[str, Any] = Field(default_factory=dict)  # its constructor overrides
+    teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
+    alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
+
+    @field_validator("teacher")
+    @classmethod
+    def _registered_teacher(cls, name: str | None) -> str | None:
+        return None if name is None else check_registered(name)
+
+    @model_validator(mode="after")
+    def _teacher_needs_weights(self) -> DistillConfig:
+        if self.teacher is not None and self.teacher_checkpoint is None:
+            raise ValueError(f"teacher={self.teacher!r} needs teacher_checkpoint (a random teacher teaches nothing)")
+        if self.teacher is None and (self.teacher_checkpoint or self.teacher_args):
+            raise ValueError("teacher_checkpoint / teacher_args are set but distill.teacher is not")
+        return self
+
+
 class ExperimentConfig(_Section):
     """Everything one training run needs; sections mirror the pipeline's components."""
 
@@ -269,6 +297,7 @@ class ExperimentConfig(_Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @model_validator(mode="after")
@@ -296,11 +325,12 @@ class ExperimentConfig(_Section):
                 return location
             return str(Path(location).expanduser().resolve())
 
+        distill = self.distill.model_copy(update={"teacher_checkpoint": absolute(self.distill.teacher_checkpoint)})
         data = self.data.model_copy(update={
             "train": absolute(self.data.train), "val": absolute(self.data.val), "cache_dir": absolute(self.data.cache_dir),
         })
         run = self.run.model_copy(update={"storage_path": absolute(self.run.storage_path)})
-        return self.model_copy(update={"data": data, "run": run})
+        return self.model_copy(update={"data": data, "run": run, "distill": distill})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -134,6 +134,10 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
     # 1. Everything that can be checked here, before Ray starts.
     check_buildable(cfg.model)
     data = resolve_data(cfg)
+    if cfg.distill.teacher is not None:
+        from pipeline.distillation import build_teacher
+
+        build_teacher(cfg.distill, data.num_classes)  # its checkpoint must fit before any worker loads it
     storage = Path(cfg.run.storage_path).expanduser().resolve()
     run_name = cfg.run.name or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = storage / run_name

@@ -84,6 +84,12 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
 
     augment = BatchAugment(cfg.data.augment, plan.num_classes, device)
     criterion = augment.loss()
+    distillation = None
+    if cfg.distill.teacher is not None:
+        from pipeline.distillation import HardDistillationLoss, build_teacher
+
+        teacher = build_teacher(cfg.distill, plan.num_classes, device)
+        distillation = HardDistillationLoss(criterion, teacher, cfg.distill.alpha, cfg.data).to(device)
     input_dtype = torch.bfloat16 if cfg.deepspeed.precision == "bf16" else (
         torch.float16 if cfg.deepspeed.precision == "fp16" else torch.float32)
     first_step_logged = start_epoch > 0
@@ -95,7 +101,8 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
         for step, (images, labels) in enumerate(train_loader):
             images, targets = augment(images, labels)
             logits = engine(images.to(input_dtype))
-            loss = criterion(logits.float(), targets)
+            loss = (criterion(logits.float(), targets) if distillation is None
+                    else distillation(logits.float(), targets, images))
             engine.backward(loss)
             engine.step()
             if ema is not None and engine.is_gradient_accumulation_boundary():

@@ -1,0 +1,73 @@
+"""DeiT hard-label distillation: the teacher's argmax is the second target; bad teachers fail early."""
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_model
+
+import models  # noqa: F401
+from conftest import run_vitsweep, train_command
+from pipeline.config import DataConfig, DistillConfig
+from pipeline.distillation import HardDistillationLoss, build_teacher
+from pipeline.errors import InvalidInputError
+
+
+@pytest.fixture
+def teacher_checkpoint(tmp_path):
+    teacher = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=1)
+    path = tmp_path / "teacher.safetensors"
+    save_model(teacher, str(path))
+    return path
+
+
+def _distill(path) -> DistillConfig:
+    return DistillConfig(teacher="xcit_nano_12_p8", teacher_args={"img_size": 16, "depth": 1},
+                         teacher_checkpoint=str(path))
+
+
+def test_teacher_is_frozen_and_loaded_from_its_checkpoint(teacher_checkpoint):
+    teacher = build_teacher(_distill(teacher_checkpoint), num_classes=10)
+    assert not any(p.requires_grad for p in teacher.parameters())
+    reference = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=1)
+    from safetensors.torch import load_model
+
+    load_model(reference, str(teacher_checkpoint))
+    images = torch.randn(2, 3, 16, 16)
+    assert torch.allclose(teacher(images), reference.eval()(images))
+
+
+def test_loss_mixes_task_loss_and_cross_entropy_to_teacher_argmax(teacher_checkpoint):
+    teacher = build_teacher(_distill(teacher_checkpoint), num_classes=10)
+    loss_fn = HardDistillationLoss(torch.nn.CrossEntropyLoss(), teacher, alpha=0.25, data=DataConfig())
+    images, logits, labels = torch.randn(4, 3, 16, 16), torch.randn(4, 10), torch.randint(0, 10, (4,))
+    teacher_labels = teacher(images).argmax(-1)
+    expected = 0.75 * F.cross_entropy(logits, labels) + 0.25 * F.cross_entropy(logits, teacher_labels)
+    assert torch.allclose(loss_fn(logits, labels, images), expected)
+
+
+def test_checkpoint_of_another_architecture_is_invalid_input(tmp_path):
+    other = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=2)
+    path = tmp_path / "other.safetensors"
+    save_model(other, str(path))
+    with pytest.raises(InvalidInputError, match="does not fit the teacher"):
+        build_teacher(_distill(path), num_classes=10)
+
+
+def test_missing_teacher_checkpoint_is_invalid_input(tmp_path):
+    with pytest.raises(InvalidInputError, match="does not exist"):
+        build_teacher(_distill(tmp_path / "missing.safetensors"), num_classes=10)
+
+
+@pytest.mark.slow
+def test_distilled_training_run_completes_and_records_the_teacher(tmp_path, digits16, teacher_checkpoint):
+    storage = tmp_path / "runs"
+    result = run_vitsweep(train_command(
+        storage, digits16, "run.name=distilled", "distill.teacher=xcit_nano_12_p8",
+        f"distill.teacher_checkpoint={teacher_checkpoint}", "distill.teacher_args={img_size: 16, depth: 1}",
+    ))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
+    assert run.data.params["distill.teacher"] == "xcit_nano_12_p8" and run.info.status == "FINISHED"
