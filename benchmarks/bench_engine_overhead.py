@@ -124,7 +124,7 @@ def main() -> None:
         "scaling": {"num_workers": 1},
     })
     dumped = experiment.model_dump(mode="json")
-    ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, logging_level="ERROR", log_to_driver=False)
     bare, inside = [], []
     with tempfile.TemporaryDirectory() as storage:
         for _ in range(args.rounds):

@@ -122,7 +122,9 @@ def _start_ray(address: str | None) -> None:
             f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
             "--working-dir . -- vitsweep train ...` (see README) or pass a cluster address (auto, ray://...)"
         )
-    ray.init(address=address, logging_level="WARNING", configure_logging=True, log_to_driver=True)
+    # No address: a new local Ray in this process, never a cluster that happens to run here
+    # (plain ray.init() would join one found through /tmp/ray).
+    ray.init(address=address or "local", logging_level="WARNING", configure_logging=True, log_to_driver=True)
 
 
 def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
