@@ -122,9 +122,11 @@ def _start_ray(address: str | None) -> None:
             f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
             "--working-dir . -- vitsweep train ...` (see README) or pass a cluster address (auto, ray://...)"
         )
-    # No address: a new local Ray in this process, never a cluster that happens to run here
-    # (plain ray.init() would join one found through /tmp/ray).
-    ray.init(address=address or "local", logging_level="WARNING", configure_logging=True, log_to_driver=True)
+    # --address, else RAY_ADDRESS (set for a `ray job submit` driver: the cluster it was submitted
+    # to), else a new local Ray in this process -- never a cluster that merely runs on this machine
+    # (a bare ray.init() would join one found through /tmp/ray).
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, logging_level="WARNING", configure_logging=True, log_to_driver=True)
 
 
 def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:

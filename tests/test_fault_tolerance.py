@@ -14,12 +14,15 @@ from conftest import train_command, vitsweep_env
 pytestmark = pytest.mark.slow
 
 
-def _train_workers() -> list[psutil.Process]:
+def _train_workers(driver_pid: int) -> list[psutil.Process]:
+    """This run's Ray Train workers: descendants of its driver (which started Ray in-process)."""
     workers = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if cmdline.startswith("ray::RayTrainWorker"):
-            workers.append(process)
+    for process in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith("ray::RayTrainWorker"):
+                workers.append(process)
+        except psutil.NoSuchProcess:
+            continue
     return workers
 
 
@@ -41,7 +44,7 @@ def test_killed_worker_restarts_from_checkpoint_and_the_mlflow_run_continues(tmp
     driver = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vitsweep_env())
     try:
         _wait_for(lambda: list(run_dir.glob("checkpoint_*")), 300, "the first checkpoint")
-        victims = _wait_for(_train_workers, 60, "the training workers")
+        victims = _wait_for(lambda: _train_workers(driver.pid), 60, "the training workers")
         victim_pid = victims[-1].pid
         os.kill(victim_pid, signal.SIGKILL)
         output, _ = driver.communicate(timeout=600)
