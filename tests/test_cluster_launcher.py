@@ -1,0 +1,200 @@
+"""The Ray cluster launcher configs (cluster/aws-p4d.yaml, cluster/gcp-a2.yaml) are valid for Ray's
+own `ray up` checks and hold exactly the 8 x 8 A100 that their paired job config asks for."""
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+import ray.autoscaler
+from pipeline.config import load_config
+from pipeline.engine import deepspeed_config
+
+CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+# Each launcher config and the job config it is sized for.
+PAIRED_JOB = {"aws-p4d.yaml": "jobs/a100_8x8.yaml", "gcp-a2.yaml": "jobs/a100_8x8.yaml"}
+LAUNCHERS = sorted(PAIRED_JOB)
+SECRET_READER = {"aws": "vitsweep-secret aws", "gcp": "vitsweep-secret gcp"}
+
+
+def launcher(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def world_size(job: str) -> int:
+    """DeepSpeed's world size for the job, as the engine derives it (train batch / micro / accum)."""
+    cfg = load_config(str(CLUSTER / job))
+    ds = deepspeed_config(cfg, cfg.scaling.num_workers)
+    return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+
+
+def gpu_node_types(config: dict) -> dict:
+    return {name: node for name, node in config["available_node_types"].items() if node["resources"].get("GPU", 0)}
+
+
+def dockerfile_cache_dir() -> str:
+    match = re.search(r"^ENV VITSWEEP_CACHE_DIR=(\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)
+    assert match, "cluster/Dockerfile sets no VITSWEEP_CACHE_DIR"
+    return match.group(1)
+
+
+def dockerfile_workdir() -> str:
+    """Where the image keeps the repository (the last WORKDIR: the vitsweep stage)."""
+    return re.findall(r"^WORKDIR (\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)[-1]
+
+
+def volume_mounts(run_options: list[str]) -> dict[str, str]:
+    """Docker's `-v HOST:CONTAINER` options as {container path: host path}."""
+    mounts = {}
+    for option in run_options:
+        words = shlex.split(option)
+        if words[0] == "-v":
+            host, container = words[1].split(":")[:2]
+            mounts[container] = host
+    return mounts
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_config_passes_rays_cluster_config_schema(name):
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(launcher(name), schema)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_config_passes_ray_ups_own_validation_after_filling_defaults(name):
+    # What `ray up` does before it talks to the cloud: merge the provider's defaults, then validate.
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(launcher(name)))
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_gpu_nodes_hold_exactly_the_paired_jobs_world_size(name):
+    config, cfg = launcher(name), load_config(str(CLUSTER / PAIRED_JOB[name]))
+    workers = sum(node["max_workers"] * node["resources"]["GPU"] / cfg.scaling.gpus_per_worker
+                  for node in gpu_node_types(config).values())
+    assert workers == world_size(PAIRED_JOB[name])
+    assert config["max_workers"] == sum(node["max_workers"] for node in gpu_node_types(config).values())
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_runs_one_worker_per_gpu_and_their_cpus_fit_the_node(name):
+    cfg = load_config(str(CLUSTER / PAIRED_JOB[name]))
+    for node in gpu_node_types(launcher(name)).values():
+        workers_per_node = node["resources"]["GPU"] / cfg.scaling.gpus_per_worker
+        assert workers_per_node == node["resources"]["GPU"]  # workers per node = GPUs per node
+        assert workers_per_node * cfg.scaling.cpus_per_worker <= node["resources"]["CPU"]
+        assert workers_per_node * cfg.data.num_workers <= node["resources"]["CPU"]  # FFCV decoding threads
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_head_node_takes_no_training_workers(name):
+    config = launcher(name)
+    head = config["available_node_types"][config["head_node_type"]]
+    assert head["resources"] == {"CPU": 0}
+    assert all("--num-cpus=0" in command for command in config["head_start_ray_commands"] if "ray start" in command)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_dashboard_and_job_api_listen_on_loopback_only(name):
+    config = launcher(name)
+    (start,) = [command for command in config["head_start_ray_commands"] if "ray start" in command]
+    assert "--dashboard-host=127.0.0.1" in start
+    assert "0.0.0.0" not in yaml.safe_dump(config)
+    assert "security_group" not in config["provider"]  # Ray's default group: SSH in, nothing else
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_starts_every_node_with_token_auth_read_from_the_secret_store(name):
+    config = launcher(name)
+    reader = SECRET_READER[config["provider"]["type"]]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [command for command in config[key] if "ray start" in command]
+        assert f"token=$({reader} vitsweep-ray-auth-token) &&" in start
+        assert re.search(r'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN="\$token"', start)
+        assert start.index("RAY_AUTH_TOKEN") < start.index("ray start")
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_gives_mlflow_credentials_to_the_head_only_from_the_secret_store(name):
+    config = launcher(name)
+    reader = SECRET_READER[config["provider"]["type"]]
+    (head,) = [command for command in config["head_start_ray_commands"] if "ray start" in command]
+    assert f"mlflow_password=$({reader} vitsweep-mlflow-password) &&" in head
+    assert 'MLFLOW_TRACKING_PASSWORD="$mlflow_password"' in head
+    assert not any("MLFLOW" in command for command in config["worker_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_mounts_node_local_nvme_where_the_image_stages_datasets(name):
+    config, cache_dir = launcher(name), dockerfile_cache_dir()
+    mounts = volume_mounts(config["docker"]["run_options"])
+    assert any(cache_dir.startswith(container + "/") for container in mounts), (cache_dir, mounts)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_mounts_the_shared_filesystem_holding_the_jobs_run_storage(name):
+    config, cfg = launcher(name), load_config(str(CLUSTER / PAIRED_JOB[name]))
+    mounts = volume_mounts(config["docker"]["run_options"])
+    assert any(cfg.run.storage_path.startswith(container + "/") for container in mounts), cfg.run.storage_path
+    assert any("mountpoint -q /mnt/shared ||" in command for command in config["initialization_commands"])
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_gives_gpu_workers_all_gpus_and_a_large_dev_shm(name):
+    options = " ".join(launcher(name)["docker"]["worker_run_options"])
+    assert "--gpus all" in options
+    size = re.search(r"--shm-size=(\d+)g", options)
+    assert size and int(size.group(1)) >= 64  # Docker's default is 64 MB; NCCL and Ray's object store need GBs
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_sets_nccl_for_tcp_between_nodes(name):
+    options = launcher(name)["docker"]["run_options"]
+    env = dict(shlex.split(option)[1].split("=", 1) for option in options if option.startswith("-e "))
+    assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker"  # every interface but loopback and docker's bridge
+    assert int(env["NCCL_SOCKET_NTHREADS"]) * int(env["NCCL_NSOCKS_PERTHREAD"]) <= 64  # NCCL's limit
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_keeps_every_node_in_its_one_zone_and_region(name):
+    config = launcher(name)
+    provider, text = config["provider"], (CLUSTER / name).read_text()
+    assert "," not in provider["availability_zone"]
+    if provider["type"] == "aws":
+        regions = set(re.findall(r"(?:--region |AWS_DEFAULT_REGION=|\.efs\.)([a-z]+-[a-z]+-\d)", text))
+        assert regions == {provider["region"]}
+    else:
+        zones = set(re.findall(r"(?:zones/|--location=)([a-z]+-[a-z]+\d-[a-z])", text))
+        assert zones == {provider["availability_zone"]}
+        assert provider["availability_zone"].startswith(provider["region"] + "-")
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_shell_commands_are_valid_bash(name):
+    config = launcher(name)
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+            "head_start_ray_commands", "worker_start_ray_commands")
+    for command in (command for key in keys for command in config[key]):
+        result = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        assert result.returncode == 0, (command, result.stderr)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_file_mounts_exist_in_this_checkout(name):
+    root = CLUSTER.parent
+    for remote, local in launcher(name)["file_mounts"].items():
+        assert (root / local).is_dir(), local  # `ray up` runs from the repository root
+        assert remote == f"{dockerfile_workdir()}/{local.removeprefix('./')}"  # over the image's copy
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_refuses_a_gpu_node_that_does_not_see_all_its_gpus(name):
+    config = launcher(name)
+    (check,) = [command for command in config["worker_setup_commands"] if "nvidia-smi" in command]
+    (node,) = gpu_node_types(config).values()
+    assert check.endswith(f"-eq {node['resources']['GPU']}")

@@ -1,0 +1,39 @@
+"""Where a multi-node run's pieces land: each node stages onto its own disk, workers spread or pack."""
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DataConfig, load_config
+from pipeline.data.staging import CACHE_DIR_ENV, cache_dir_for
+
+
+def test_a_nodes_cache_dir_comes_from_its_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "nvme"))
+    assert cache_dir_for(DataConfig(), str(tmp_path / "shared-runs")) == tmp_path / "nvme"
+
+
+def test_a_configured_cache_dir_wins_over_the_nodes_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "nvme"))
+    assert cache_dir_for(DataConfig(cache_dir=str(tmp_path / "mine")), "runs") == tmp_path / "mine"
+
+
+def test_without_a_node_cache_dir_staging_falls_back_under_run_storage(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    assert cache_dir_for(DataConfig(), str(tmp_path / "runs")) == tmp_path / "runs" / "data-cache"
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+def test_the_placement_strategy_reaches_rays_scaling_config(strategy, tmp_path):
+    from pipeline.driver import ResolvedData, build_trainer
+
+    cfg = load_config("smoke", [f"scaling.placement_strategy={strategy}"])
+    trainer = build_trainer(cfg, ResolvedData("train.beton", "val.beton", 10), "placed", Path(tmp_path),
+                            f"sqlite:///{tmp_path}/mlflow.db", "run-id", launched_at=0.0)
+    assert trainer.scaling_config.placement_strategy == strategy
+
+
+def test_an_unknown_placement_strategy_is_rejected_naming_the_valid_ones():
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scaling.placement_strategy.*'PACK'.*'SPREAD'"):
+        load_config("smoke", ["scaling.placement_strategy=SCATTER"])

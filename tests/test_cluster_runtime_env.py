@@ -1,0 +1,34 @@
+"""cluster/runtime_env.yaml is what `ray job submit --runtime-env` reads: valid for Ray, and the
+working directory it uploads is this checkout's code, never the virtualenv, git or run outputs."""
+import zipfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_ENV = ROOT / "cluster" / "runtime_env.yaml"
+
+
+def test_runtime_env_yaml_is_a_valid_ray_runtime_environment():
+    from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+    from ray.runtime_env import RuntimeEnv
+
+    parsed = parse_runtime_env_args(runtime_env=str(RUNTIME_ENV))  # exactly what `ray job submit` does
+    runtime_env = RuntimeEnv(**parsed)
+    assert runtime_env["working_dir"] == "."  # the repository root `ray job submit` runs from
+    assert all(isinstance(v, str) for v in runtime_env["env_vars"].values())
+
+
+def test_runtime_env_uploads_the_code_and_leaves_out_the_virtualenv_git_and_run_outputs(tmp_path):
+    from ray._private.runtime_env import packaging
+
+    excludes = yaml.safe_load(RUNTIME_ENV.read_text())["excludes"]
+    package = tmp_path / "working_dir.zip"
+    # Without .gitignore's help (RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 turns it off): excludes alone.
+    packaging.create_package(str(ROOT), package, include_gitignore=False, excludes=excludes)
+    names = zipfile.ZipFile(package).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert {"pipeline", "models", "cluster", "pyproject.toml"} <= top
+    assert not top & {".venv", ".git", "mlruns", "vitsweep-runs"}
+    assert not [name for name in names if name.endswith(".beton") or "/__pycache__/" in f"/{name}"]
+    assert package.stat().st_size < packaging.GCS_STORAGE_MAX_SIZE
