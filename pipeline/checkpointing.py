@@ -36,10 +36,18 @@ def weights_only_checkpoint_engine(config_params=None):
     (Built on demand: importing DeepSpeed costs seconds the driver does not need to spend.)
     """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    # ZeRO-1/2 optimizer shards pickle these plain state holders; only they are allowed besides
+    # tensors and containers.
+    deepspeed_state_types = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location=None):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            with torch.serialization.safe_globals(deepspeed_state_types):
+                return torch.load(path, map_location=map_location, weights_only=True)
 
     return WeightsOnlyCheckpointEngine(config_params)
 

@@ -80,3 +80,13 @@ def test_checkpoint_loading_accepts_tensors_and_containers(tmp_path):
     torch.save(buffer, path)
     loaded = weights_only_checkpoint_engine().load(str(path))
     assert loaded["epoch"] == 3 and torch.equal(loaded["module"]["w"], torch.ones(2))
+
+
+def test_checkpoint_loading_accepts_deepspeed_zero_optimizer_state(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients, "w": torch.ones(2)}, path)
+    loaded = weights_only_checkpoint_engine().load(str(path))
+    assert loaded["zero_stage"] == ZeroStageEnum.gradients and torch.equal(loaded["w"], torch.ones(2))
