@@ -231,11 +231,11 @@ def build_trainer(cfg: ExperimentConfig, data: ResolvedData, run_name: str, stor
 
 
 def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_uri: str, mlflow_run_id: str,
-                   stopped=None):
+                   record_failure: bool = True):
     """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
 
-    ``stopped``: a callable saying whether the run was stopped on purpose when ``fit()`` raised (a
-    sweep's scheduler stopping a trial); such a run is left RUNNING for its caller to record.
+    ``record_failure=False`` leaves a run whose ``fit()`` raised RUNNING for the caller to record:
+    a sweep trial may have been stopped on purpose by its scheduler, which only the sweep knows.
     """
     from pipeline.tracking import diverged_at, finish_run
 
@@ -245,7 +245,7 @@ def fit_and_record(trainer, cfg: ExperimentConfig, data: ResolvedData, tracking_
         finish_run(tracking_uri, mlflow_run_id, "KILLED")
         raise
     except BaseException:
-        if stopped is None or not stopped():
+        if record_failure:
             finish_run(tracking_uri, mlflow_run_id, "FAILED")
         raise
     divergence = diverged_at(tracking_uri, mlflow_run_id)

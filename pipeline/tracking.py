@@ -83,6 +83,14 @@ def check_logger_can_reach(uri: str, ray_address: str | None) -> None:
         )
 
 
+def experiment_id(client, experiment: str) -> str:
+    """The id of the named experiment, created (artifacts beside a local store) if it is new."""
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(experiment, artifact_location=local_artifact_root(client.tracking_uri))
+
+
 def start_or_continue_run(uri: str, experiment: str, run_dir: Path, run_name: str,
                           tags: dict[str, str] | None = None) -> str:
     """The MLflow run id of this training run: the recorded one when the run restarts, else a new run."""
@@ -95,10 +103,7 @@ def start_or_continue_run(uri: str, experiment: str, run_dir: Path, run_name: st
         if saved["tracking_uri"] == uri:
             client.update_run(saved["run_id"], status="RUNNING")
             return saved["run_id"]
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(
-        experiment, artifact_location=local_artifact_root(uri))
-    run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+    run_id = client.create_run(experiment_id(client, experiment), run_name=run_name, tags=tags or {}).info.run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({"tracking_uri": uri, "run_id": run_id, "experiment": experiment}))
     return run_id

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli import config, data, doctor, models, pending, train
+from pipeline.cli import compare, config, data, doctor, models, train, tune
 from pipeline.errors import InvalidInputError
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID_INPUT = 0, 1, 2
@@ -20,8 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(commands)
-    pending.add_tune_parser(commands)
-    pending.add_compare_parser(commands)
+    tune.add_parser(commands)
+    compare.add_parser(commands)
     data.add_parser(commands)
     models.add_parser(commands)
     config.add_parser(commands)

@@ -1,0 +1,67 @@
+"""`vitsweep tune`: a Ray Tune sweep of `vitsweep train` runs, each trial a nested MLflow run."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.cli.config import add_config_arguments
+from pipeline.errors import InvalidInputError
+
+
+def add_parser(commands) -> None:
+    from pipeline.sweeps.spaces import available_spaces
+
+    parser = commands.add_parser(
+        "tune", help="Sweep the papers' knobs with Ray Tune, every trial in MLflow.",
+        description="Run a search space over the experiment config: grid, random or Optuna TPE sampling, ASHA or "
+                    "FIFO scheduling (tune.* keys, see `vitsweep config show`). Every sampled config is checked "
+                    "before any trial starts; invalid ones are pruned.",
+    )
+    parser.add_argument(
+        "--space", dest="spaces", action="append", default=[], metavar="NAME_OR_YAML",
+        help=f"a search space: shipped ({', '.join(available_spaces())}) or a YAML file; repeat to search several "
+             "together (e.g. --space fsne_code_size --space lr_wd)",
+    )
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--resume", metavar="SWEEP_DIR", default=None,
+        help="continue an interrupted sweep from its directory (printed when it started); finished trials are "
+             "not run again",
+    )
+    parser.add_argument(
+        "--address", default=None,
+        help="Ray cluster to join: 'auto' (a running `ray start` cluster), ray://host:10001; default: start "
+             "a local Ray in this process",
+    )
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
+    from pipeline.tracking import check_logger_can_reach
+
+    if args.resume:
+        given = [flag for flag, value in (("--space", args.spaces), ("--config", args.config),
+                                          ("--set", args.overrides)) if value]
+        if given:
+            raise InvalidInputError(f"--resume continues the sweep exactly as it started; drop {', '.join(given)}")
+        sweep = load_sweep(args.resume)
+    else:
+        sweep = prepare_sweep(args.config, args.overrides, args.spaces)
+    check_logger_can_reach(sweep.tracking_uri, args.address)
+    outcome = run_sweep(sweep, address=args.address, resume=bool(args.resume))
+
+    print(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}")
+    if outcome.best is not None:
+        metric = sweep.cfg.tune.metric
+        print(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  {outcome.best.knobs}")
+    print(f"  sweep directory: {outcome.directory}\n"
+          f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
+          f"  see it with: mlflow ui --backend-store-uri {outcome.tracking_uri}")
+    if outcome.interrupted:
+        print(f"vitsweep tune: interrupted; continue with: vitsweep tune --resume {outcome.directory}", file=sys.stderr)
+        return 1
+    if outcome.best is None:
+        print("vitsweep tune: no trial trained every epoch (see the table's reasons)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,195 @@
+"""Which trials a sweep runs: every sampled config resolved and checked before any trial starts.
+
+A candidate is the base config (preset, the space's ``fixed``, ``--set``) with one value per
+searched knob and the derived keys filled in. It is valid when the config validates and its
+model builds *and* runs a forward pass on the meta device (shapes only, no memory or compute):
+the build catches bad arguments (``svpn_alpha=1.5``, an unknown ``code_sise``), the forward pass
+the constraints a constructor cannot see (heads that do not divide the channels).
+
+Before a sweep starts, every value a knob can take (each choice, grid point and both ends of a
+range) is checked in combination with the others:
+
+- no valid combination at all: the space is an error;
+- a value that is invalid in every combination: an error naming the key and value;
+- otherwise invalid combinations are constraints: pruned and recorded, never started.
+"""
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import ExperimentConfig, ModelConfig, validate
+from pipeline.errors import ConfigError
+from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError, apply_assignment
+
+MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
+MAX_GRID = 1000  # trials a grid search may expand to
+SAMPLE_ATTEMPTS = 50  # random search: draws per requested trial before giving up on finding valid ones
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    assignment: dict[str, Any]  # the searched knobs that apply, in the space's order
+    knobs: dict[str, Any]  # the assignment plus the derived keys
+    config: ExperimentConfig | None
+    problem: str | None  # why it cannot run; None when valid
+
+
+def resolve_trial(space: SearchSpace, base_tree: dict[str, Any], sampled: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """The trial's validated config and its knobs; ConfigError when the combination is invalid."""
+    assignment = space.active_assignment(sampled, base_tree)
+    tree = apply_assignment(base_tree, assignment)
+    try:
+        derived = space.derived(tree)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return validate(apply_assignment(tree, derived)), {**assignment, **derived}
+
+
+def model_problem(model: ModelConfig, num_classes: int = 1000) -> str | None:
+    """Why this model section cannot train (built and run on the meta device), or None."""
+    import torch
+
+    from pipeline.modeling import build_model
+
+    try:
+        module = build_model(model, num_classes, device="meta")
+    except Exception as err:  # noqa: BLE001  (any constructor failure makes the candidate invalid)
+        # build_model's message repeats the whole model section; the knobs are shown beside it.
+        return f"{model.name} cannot be built: {str(err).partition(' cannot be built: ')[2] or err}"
+    try:
+        with torch.no_grad():
+            module.eval()(torch.empty(2, 3, model.img_size, model.img_size, device="meta"))
+    except NotImplementedError:
+        return None  # an op without a meta kernel: the successful build is the whole check
+    except Exception as err:  # noqa: BLE001
+        return f"{model.name} builds but its forward pass fails at img_size={model.img_size}: {err}"
+    return None
+
+
+def _knobs_text(knobs: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in knobs.items()) or "the base config"
+
+
+def _one_line(err: Exception) -> str:
+    return str(err).removeprefix("invalid config:\n  ").replace("\n  ", "; ")
+
+
+class TrialChecker:
+    """Resolves candidates; each distinct model section is built once."""
+
+    def __init__(self, space: SearchSpace, base_tree: dict[str, Any]):
+        self.space, self.base_tree = space, base_tree
+        self._models: dict[str, str | None] = {}
+
+    def check(self, sampled: dict[str, Any]) -> Candidate:
+        assignment = self.space.active_assignment(sampled, self.base_tree)
+        try:
+            config, knobs = resolve_trial(self.space, self.base_tree, sampled)
+        except ConfigError as err:
+            return Candidate(assignment, dict(assignment), None, _one_line(err))
+        key = json.dumps(config.model.model_dump(mode="json"), sort_keys=True)
+        if key not in self._models:
+            self._models[key] = model_problem(config.model)
+        problem = self._models[key]
+        return Candidate(assignment, knobs, None if problem else config, problem)
+
+
+@dataclass
+class TrialPlan:
+    """What the sweep runs: grid/random trials fixed up front; TPE samples as it goes."""
+
+    variants: list[dict[str, Any]]  # each a valid assignment (grid, random); empty for tpe
+    pruned: list[dict[str, Any]] = field(default_factory=list)  # {"knobs": ..., "reason": ...}
+    checked: int = 0
+
+
+def _reservoir(items: Iterable[dict[str, Any]], size: int, rng: random.Random) -> list[dict[str, Any]]:
+    chosen: list[dict[str, Any]] = []
+    for seen, item in enumerate(items):
+        if seen < size:
+            chosen.append(item)
+        else:
+            slot = rng.randrange(seen + 1)
+            if slot < size:
+                chosen[slot] = item
+    return chosen
+
+
+def check_space(space: SearchSpace, base_tree: dict[str, Any], checker: TrialChecker, seed: int) -> list[Candidate]:
+    """Every knob value checked in combination; raise SpaceError for a space that cannot work."""
+    combos = _reservoir(space.combinations(base_tree, Dimension.check_points), MAX_CHECKED, random.Random(seed))
+    results = [checker.check(combo) for combo in combos]
+    where = " + ".join(space.sources)
+    valid = [r for r in results if r.problem is None]
+    if not valid:
+        reasons = list(dict.fromkeys(f"{_knobs_text(r.knobs)}: {r.problem}" for r in results))
+        raise SpaceError(
+            f"search space {where} yields no valid trial: all {len(results)} combinations checked are invalid:\n  "
+            + "\n  ".join(reasons[:5]) + (f"\n  ... and {len(reasons) - 5} more reasons" if len(reasons) > 5 else "")
+        )
+    for dim in space.dims:
+        for value in dim.check_points():
+            with_value = [r for r in results if r.assignment.get(dim.key, _MISSING) == value]
+            if with_value and all(r.problem for r in with_value):
+                raise SpaceError(
+                    f"search space {where}: {dim.key} = {dim.describe(value)} is invalid in every combination: "
+                    f"{with_value[0].problem}"
+                )
+    return results
+
+
+def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, num_samples: int | None,
+                seed: int) -> TrialPlan:
+    checker = TrialChecker(space, base_tree)
+    checked = check_space(space, base_tree, checker, seed)
+    if searcher == "grid":
+        combos = _take(space.combinations(base_tree, Dimension.grid_points), MAX_GRID + 1)
+        if len(combos) > MAX_GRID:
+            raise SpaceError(f"the grid of {' + '.join(space.sources)} has more than {MAX_GRID} trials; "
+                             "use tune.searcher=random or tpe with tune.num_samples")
+        results = [checker.check(combo) for combo in combos]
+        return TrialPlan(
+            variants=[r.assignment for r in results if r.problem is None],
+            pruned=[{"knobs": r.knobs, "reason": r.problem} for r in results if r.problem],
+            checked=len(checked),
+        )
+    if searcher == "random":
+        rng = random.Random(seed)
+        plan = TrialPlan(variants=[], checked=len(checked))
+        for _ in range(SAMPLE_ATTEMPTS * num_samples):
+            if len(plan.variants) == num_samples:
+                break
+            candidate = checker.check(space.sample(base_tree, rng))
+            if candidate.problem:
+                plan.pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
+            else:
+                plan.variants.append(candidate.assignment)
+        if len(plan.variants) < num_samples:
+            raise SpaceError(
+                f"random search over {' + '.join(space.sources)} found {len(plan.variants)} valid trials in "
+                f"{SAMPLE_ATTEMPTS * num_samples} draws, fewer than tune.num_samples={num_samples}; "
+                f"most common reason: {_most_common(p['reason'] for p in plan.pruned)}"
+            )
+        return plan
+    return TrialPlan(variants=[], checked=len(checked))  # tpe: each sample is checked as its trial starts
+
+
+def _take(items: Iterator[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    taken = []
+    for item in items:
+        taken.append(item)
+        if len(taken) >= limit:
+            break
+    return taken
+
+
+def _most_common(reasons: Iterable[str]) -> str:
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[reason] = counts.get(reason, 0) + 1
+    return max(counts, key=counts.get) if counts else "none"

@@ -1,0 +1,454 @@
+"""Runs a sweep: everything checked first, trials sized to the cluster, Ray Tune, resume.
+
+``prepare_sweep`` does all the checking (config, space, every trial's model on the meta device,
+the datasets, the MLflow store, the resources) and writes nothing but a requested offline dataset.
+``run_sweep`` then starts Ray, opens the MLflow parent run, writes the sweep's record and drives
+``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an interrupted sweep from its
+record with ``Tuner.restore``: finished trials stay finished, unfinished ones continue their Ray
+Train checkpoint and their MLflow run.
+
+Resources. A trial is its trial function (``tune.trial_cpus``, waiting on ``fit()``) plus its
+``scaling.num_workers`` workers (``cpus_per_worker``, ``gpus_per_worker``), which its
+``TorchTrainer`` requests from Ray itself, outside Tune's accounting. So Tune is capped at the
+number of trials whose function *and* workers fit the cluster; more would start trial functions
+that hold CPUs while their workers wait forever. A local Ray started here advertises at least one
+trial's CPUs, so e.g. 1 trial function + 2 workers still run on a 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate
+from pipeline.driver import ResolvedData
+from pipeline.errors import InvalidInputError
+from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
+from pipeline.sweeps.spaces import SearchSpace, SpaceError, apply_assignment, load_spaces, spaces_from_record
+
+RECORD_NAME = "vitsweep_sweep.json"
+PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
+TRIAL_RUNS_DIR = "trial_runs"
+DEFAULT_RANDOM_SAMPLES = 10
+
+
+def is_uri(location: str) -> bool:
+    return "://" in location
+
+
+def join(location: str, *parts: str) -> str:
+    return "/".join([location.rstrip("/"), *parts]) if is_uri(location) else str(Path(location, *parts))
+
+
+def _filesystem(location: str):
+    import pyarrow.fs
+
+    return pyarrow.fs.FileSystem.from_uri(location)
+
+
+def write_text(location: str, text: str) -> None:
+    if not is_uri(location):
+        Path(location).parent.mkdir(parents=True, exist_ok=True)
+        Path(location).write_text(text)
+        return
+    fs, path = _filesystem(location)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as stream:
+        stream.write(text.encode())
+
+
+def read_text(location: str) -> str | None:
+    if not is_uri(location):
+        return Path(location).read_text() if Path(location).is_file() else None
+    import pyarrow.fs
+
+    fs, path = _filesystem(location)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as stream:
+        return stream.readall().decode()
+
+
+# --------------------------------------------------------------------------------------------------
+# Resources
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrialResources:
+    cpus: float  # trial function + workers
+    gpus: float
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> TrialResources:
+        workers = cfg.scaling.num_workers
+        return cls(cpus=cfg.tune.trial_cpus + workers * cfg.scaling.cpus_per_worker,
+                   gpus=workers * cfg.scaling.gpus_per_worker if cfg.scaling.use_gpu else 0.0)
+
+    def describe(self, cfg: ExperimentConfig) -> str:
+        s = cfg.scaling
+        gpus = f", {self.gpus:g} GPUs" if self.gpus else ""
+        return (f"{self.cpus:g} CPUs{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + {s.num_workers} workers x "
+                f"({s.cpus_per_worker:g} CPU{f', {s.gpus_per_worker:g} GPU' if s.use_gpu else ''})")
+
+
+def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
+    """How many trials run at once: what fits the cluster, or tune.max_concurrent_trials if smaller."""
+    need = TrialResources.of(cfg)
+    fits = math.floor(cluster.get("CPU", 0) / need.cpus + 1e-9)
+    if need.gpus:
+        fits = min(fits, math.floor(cluster.get("GPU", 0) / need.gpus + 1e-9))
+    if fits < 1:
+        raise InvalidInputError(
+            f"one trial needs {need.describe(cfg)}, but the Ray cluster has {cluster.get('CPU', 0):g} CPUs and "
+            f"{cluster.get('GPU', 0):g} GPUs; lower scaling.num_workers / cpus_per_worker or tune.trial_cpus"
+        )
+    wanted = cfg.tune.max_concurrent_trials
+    if wanted and wanted > fits:
+        print(f"vitsweep tune: tune.max_concurrent_trials={wanted} but only {fits} trials fit the cluster now "
+              f"({need.describe(cfg)} each); extra trials wait for the autoscaler", flush=True)
+    return wanted or fits
+
+
+def start_ray(address: str | None, cfg: ExperimentConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address and address.startswith(("http://", "https://")):
+        raise InvalidInputError(
+            f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
+            "--working-dir . -- vitsweep tune ...` or pass a cluster address (auto, ray://...)"
+        )
+    # --address, else RAY_ADDRESS (a `ray job submit` driver: the cluster it was submitted to), else
+    # a new local Ray in this process, never a cluster that merely runs on this machine (a bare
+    # ray.init() would join one found through /tmp/ray).
+    address = address or os.environ.get("RAY_ADDRESS")
+    local = {} if address else {"num_cpus": max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus))}
+    ray.init(address=address or "local", logging_level="WARNING", configure_logging=True, log_to_driver=True, **local)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Sweep:
+    name: str
+    root: str  # storage root (absolute local path or URI); the sweep lives in root/name
+    space: SearchSpace
+    base_tree: dict[str, Any]
+    plan: TrialPlan
+    data: ResolvedData
+    tracking_uri: str
+    parent_run_id: str | None = None
+    created: float = 0.0
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return validate(self.base_tree)
+
+    @property
+    def directory(self) -> str:
+        return join(self.root, self.name)
+
+    @property
+    def record_path(self) -> str:
+        return join(self.directory, RECORD_NAME)
+
+    def record(self) -> str:
+        return json.dumps({
+            "name": self.name, "root": self.root, "created": self.created,
+            "spaces": [list(part) for part in self.space.parts], "base_config": self.base_tree,
+            "tracking_uri": self.tracking_uri, "parent_run_id": self.parent_run_id,
+            "variants": self.plan.variants, "pruned": self.plan.pruned, "checked": self.plan.checked,
+            "data": asdict(self.data),
+        }, indent=1)
+
+
+def _absolute(location: str | None) -> str | None:
+    if location is None or is_uri(location):
+        return location
+    return str(Path(location).expanduser().resolve())
+
+
+def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
+    tune = cfg.tune
+    if tune.searcher == "grid" and tune.num_samples not in (None, 1):
+        raise SpaceError(
+            f"tune.num_samples={tune.num_samples} with tune.searcher=grid would repeat identical trials; search "
+            "run.seed to repeat with other seeds, or use tune.searcher=random or tpe"
+        )
+    if tune.scheduler == "asha" and tune.grace_period >= cfg.optim.epochs:
+        raise SpaceError(
+            f"tune.grace_period={tune.grace_period} must be < optim.epochs={cfg.optim.epochs} for ASHA to stop any "
+            "trial early; lower it, train longer, or use tune.scheduler=fifo"
+        )
+    if tune.searcher == "tpe" and all(d.kind == "values" and len(d.values) == 1 for d in space.dims):
+        raise SpaceError("tune.searcher=tpe needs at least one knob with more than one value")
+
+
+def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
+    """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
+    from pipeline.driver import resolve_data
+    from pipeline.tracking import check_reachable, resolve_tracking_uri
+
+    space = load_spaces(space_refs)
+    tree = apply_assignment(load_config(config).model_dump(mode="json"), space.fixed)
+    cfg = validate(apply_overrides(tree, list(overrides)))
+    _check_settings(cfg, space)
+
+    # Trials run in their own working directories: every local path becomes absolute here.
+    created = time.time()
+    name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
+    root = _absolute(cfg.tune.storage_path or cfg.run.storage_path)
+    tracking_uri = resolve_tracking_uri(cfg)
+    try:
+        check_reachable(tracking_uri)
+    except ConnectionError as err:
+        raise InvalidInputError(str(err)) from None
+    tree = cfg.model_dump(mode="json")
+    tree["data"].update({k: _absolute(tree["data"][k]) for k in ("train", "val", "cache_dir")})
+    tree["run"]["storage_path"] = _absolute(cfg.run.storage_path)
+    tree["tracking"]["mlflow_uri"] = tracking_uri
+    tree["tune"].update(name=name, storage_path=root,
+                        seed=cfg.tune.seed if cfg.tune.seed is not None else cfg.run.seed,
+                        num_samples=cfg.tune.num_samples or (None if cfg.tune.searcher == "grid" else DEFAULT_RANDOM_SAMPLES))
+    cfg = validate(tree)
+    base_tree = cfg.model_dump(mode="json")
+
+    sweep_dir = join(root, name)
+    if read_text(join(sweep_dir, RECORD_NAME)) is not None:
+        raise InvalidInputError(f"sweep {name!r} already exists in {sweep_dir}; continue it with "
+                                f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
+    plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
+    data = resolve_data(cfg)
+    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created)
+
+
+def load_sweep(sweep_dir: str) -> Sweep:
+    """An interrupted sweep, from its record (``--resume``)."""
+    from pipeline.driver import resolve_data
+
+    location = sweep_dir if is_uri(sweep_dir) else _absolute(sweep_dir)
+    text = read_text(join(location, RECORD_NAME))
+    if text is None:
+        raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
+                                "that `vitsweep tune` printed when it started")
+    record = json.loads(text)
+    space = spaces_from_record([tuple(part) for part in record["spaces"]])
+    cfg = validate(record["base_config"])
+    data = resolve_data(cfg)  # the datasets must still be there, unchanged
+    plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
+    return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
+                 record["parent_run_id"], record["created"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray Tune
+# --------------------------------------------------------------------------------------------------
+
+def trial_name(trial) -> str:
+    return trial.trial_id
+
+
+def _scheduler(cfg: ExperimentConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from pipeline.sweeps.trial import TIME_ATTR
+
+    if cfg.tune.scheduler == "fifo":
+        return FIFOScheduler()
+    # Rungs end before the last epoch and trials past the last rung are never stopped, so a trial
+    # that trains every epoch always finishes its own run (final model, FINISHED) before it ends.
+    return ASHAScheduler(time_attr=TIME_ATTR, max_t=cfg.optim.epochs - 1, grace_period=cfg.tune.grace_period,
+                         reduction_factor=cfg.tune.reduction_factor, brackets=1, stop_last_trials=False)
+
+
+def _trainable(sweep: Sweep):
+    from ray import tune
+
+    from pipeline.sweeps.trial import SweepPlan, run_trial
+
+    cfg = sweep.cfg
+    plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
+                     cfg.tracking.experiment, sweep.parent_run_id, join(sweep.directory, TRIAL_RUNS_DIR))
+    return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
+
+
+def _tuner(sweep: Sweep, max_concurrent: int):
+    from ray import tune
+
+    from pipeline.sweeps.tracking import TrialRecorder
+
+    cfg = sweep.cfg
+    if cfg.tune.searcher == "tpe":
+        import optuna
+        from ray.tune.search.optuna import OptunaSearch
+
+        param_space = {"knobs": {dim.key: dim.tune_domain() for dim in sweep.space.dims}}
+        search_alg = OptunaSearch(metric=cfg.tune.metric, mode=cfg.tune.mode,
+                                  sampler=optuna.samplers.TPESampler(seed=cfg.tune.seed))
+        num_samples = cfg.tune.num_samples
+    else:  # grid and random trials were fixed (and checked) up front
+        param_space = {"knobs": tune.grid_search(sweep.plan.variants)}
+        search_alg, num_samples = None, 1
+    return tune.Tuner(
+        _trainable(sweep),
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric=cfg.tune.metric, mode=cfg.tune.mode, search_alg=search_alg, scheduler=_scheduler(cfg),
+            num_samples=num_samples, max_concurrent_trials=max_concurrent,
+            trial_name_creator=trial_name, trial_dirname_creator=trial_name,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep.name, storage_path=sweep.root, verbose=1,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
+                                     cfg.optim.epochs, cfg.tune.scheduler)],
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    name: str
+    directory: str
+    tracking_uri: str
+    parent_run_id: str
+    interrupted: bool
+    table: str
+    best: Any  # report.TrialRow or None
+
+
+def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
+    cfg = sweep.cfg
+    params = {f"tune.{k}": v for k, v in cfg.tune.model_dump(mode="json").items()}
+    params.update({
+        "space": sweep.space.name, "space_files": ", ".join(sweep.space.sources),
+        "searched_keys": ", ".join(sweep.space.keys), "derive": ", ".join(r.name for r in sweep.space.derive) or "none",
+        "tune.mode": cfg.tune.mode, "model.name": cfg.model.name, "optim.epochs": cfg.optim.epochs,
+        "trial_resources": TrialResources.of(cfg).describe(cfg), "max_concurrent_trials_effective": max_concurrent,
+        "trials_planned": len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples,
+        "combinations_checked": sweep.plan.checked,
+    })
+    return params
+
+
+def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepOutcome:
+    import ray
+    from mlflow.tracking import MlflowClient
+    from ray import tune
+
+    from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
+    from pipeline.sweeps.tracking import log_sweep_setup, open_parent_run
+
+    cfg = sweep.cfg
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
+    if cfg.tune.searcher == "tpe":
+        # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
+        # driver) would turn into an experiment error; every real result carries the metric.
+        os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    start_ray(address, cfg)
+    max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
+
+    sweep.parent_run_id = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
+    if not resume:
+        write_text(sweep.record_path, sweep.record())
+        log_sweep_setup(sweep.tracking_uri, sweep.parent_run_id, _sweep_params(sweep, max_concurrent), files={
+            "space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(), RECORD_NAME: sweep.record(),
+        })
+    print(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
+          f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
+          f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
+          + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
+          + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}",
+          flush=True)
+
+    experiment_path = sweep.directory
+    if resume and tune.Tuner.can_restore(experiment_path):
+        tuner = tune.Tuner.restore(experiment_path, trainable=_trainable(sweep), resume_unfinished=True,
+                                   resume_errored=False, restart_errored=False)
+    else:  # a new sweep, or one interrupted before Tune wrote its first state
+        tuner = _tuner(sweep, max_concurrent)
+    try:
+        results = tuner.fit()
+    except KeyboardInterrupt:
+        return finish_sweep(sweep, [], interrupted=True)
+    except Exception:
+        # The sweep itself broke (e.g. the Ray cluster died): its state on disk is intact, so record
+        # where it stopped and let --resume continue it.
+        from pipeline.sweeps.tracking import INTERRUPTED, mark_unfinished
+
+        mark_unfinished(sweep.tracking_uri, sweep.parent_run_id,
+                        f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}")
+        MlflowClient(sweep.tracking_uri).set_terminated(sweep.parent_run_id, status="FAILED")
+        print(f"vitsweep tune: the sweep failed; continue it with: vitsweep tune --resume {sweep.directory}",
+              file=sys.stderr, flush=True)
+        raise
+    # A trial neither terminated nor errored was still pending or running when Tune stopped.
+    interrupted = results.num_terminated + results.num_errors < len(results)
+    return finish_sweep(sweep, list(results), interrupted)
+
+
+def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
+    """TPE samples that ended as they started, without a result: checked again for the reason."""
+    from pipeline.sweeps.trial import TIME_ATTR
+
+    checker = TrialChecker(sweep.space, sweep.base_tree)
+    pruned = []
+    for result in results:
+        if result.error is None and result.config and TIME_ATTR not in (result.metrics or {}):
+            candidate = checker.check(result.config["knobs"])
+            if candidate.problem:
+                pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
+    return pruned
+
+
+def finish_sweep(sweep: Sweep, results: list, interrupted: bool) -> SweepOutcome:
+    """Record the outcome on the parent run: best trial, results.csv, pruned.csv, plots."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.sweeps import report
+    from pipeline.sweeps.tracking import INTERRUPTED, log_texts, mark_unfinished
+
+    cfg = sweep.cfg
+    uri, parent = sweep.tracking_uri, sweep.parent_run_id
+    if interrupted:
+        mark_unfinished(uri, parent, f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}")
+    pruned = sweep.plan.pruned + (_tpe_pruned(sweep, results) if cfg.tune.searcher == "tpe" else [])
+    rows = report.sweep_rows(uri, parent, cfg.tune.metric)
+    all_rows = rows + report.pruned_rows(pruned)
+    metric, mode = cfg.tune.metric, cfg.tune.mode
+    best = report.best_row(rows, metric, mode)
+
+    client = MlflowClient(uri)
+    files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
+    if pruned:
+        files["pruned.csv"] = report.to_csv(report.pruned_rows(pruned), metric, mode)
+    log_texts(uri, parent, files)
+    with tempfile.TemporaryDirectory() as directory:
+        log_keys = {d.key for d in sweep.space.dims if d.is_log}
+        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys):
+            client.log_artifact(parent, str(path), "plots")
+    counts = {state: sum(r.state == state for r in all_rows) for state in
+              ("completed", "early_stopped", "diverged", "error", "interrupted", "pruned")}
+    metrics = {f"trials_{state}": n for state, n in counts.items()}
+    metrics["trials_total"] = len(all_rows)
+    metrics["trial_epochs"] = sum(r.epochs for r in rows)  # the compute the sweep spent
+    if best:
+        metrics[f"best_{metric}"] = best.value(metric)
+        client.set_tag(parent, "best_trial_id", best.trial_id)
+        client.set_tag(parent, "best_run_id", best.run_id)
+        client.set_tag(parent, "best_knobs", json.dumps(best.knobs))
+    for key, value in metrics.items():
+        client.log_metric(parent, key, value)
+    client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED")
+    return SweepOutcome(sweep.name, sweep.directory, uri, parent, interrupted,
+                        report.format_table(all_rows, metric, mode), best)

@@ -1,0 +1,185 @@
+"""`vitsweep tune` / `compare` without Ray: bad input exits 2 before anything runs; the results table."""
+import json
+
+import pytest
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
+from pipeline.config import load_config
+from pipeline.sweeps.report import pareto_front
+from pipeline.sweeps.runner import RECORD_NAME, concurrent_trials
+from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
+
+
+def _tune(tmp_path, space_text: str | None, *overrides: str, space: str | None = None) -> list[str]:
+    if space_text is not None:
+        (tmp_path / "space.yaml").write_text(space_text)
+        space = str(tmp_path / "space.yaml")
+    args = ["tune", "--space", space, "--config", "smoke", "--set", f"run.storage_path={tmp_path / 'runs'}",
+            "--set", "optim.epochs=3"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+BAD_SPACES = [
+    ("unknown_key", "params:\n  optim.lrr: {values: [1.0e-3]}\n", "optim.lrr"),
+    ("empty_choice_list", "fixed:\n  model.args.qkv: fsne\nparams:\n  model.args.code_size: {values: []}\n",
+     "model.args.code_size: values is an empty list"),
+    ("alpha_outside_unit_interval",
+     "fixed:\n  model.args.head: sot\nparams:\n  model.args.svpn_alpha: {uniform: [0.3, 1.5], grid: [0.5]}\n",
+     "svpn_alpha = 1.5"),
+    ("no_valid_trial", "params:\n  model.args.num_heads: {values: [3, 5, 7]}\n", "yields no valid trial"),
+]
+
+
+@pytest.mark.parametrize("text,expected", [case[1:] for case in BAD_SPACES], ids=[case[0] for case in BAD_SPACES])
+def test_bad_space_exits_2_naming_the_problem_and_writes_nothing(tmp_path, capsys, text, expected):
+    assert main(_tune(tmp_path, text)) == EXIT_INVALID_INPUT
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, space="fsne_code_sise")) == EXIT_INVALID_INPUT
+    assert "did you mean 'fsne_code_size'" in capsys.readouterr().err
+
+
+def test_asha_grace_period_must_leave_epochs_to_stop(tmp_path, capsys):
+    args = _tune(tmp_path, None, "optim.epochs=2", "tune.grace_period=2", space="lr_wd")
+    assert main(args) == EXIT_INVALID_INPUT
+    assert "tune.grace_period=2 must be < optim.epochs=2" in capsys.readouterr().err
+
+
+def test_grid_search_refuses_identical_repeats(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, "tune.num_samples=3", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "would repeat identical trials" in capsys.readouterr().err
+
+
+def test_invalid_sweep_setting_names_the_key(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, "tune.scheduler=hyperband", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "tune.scheduler" in capsys.readouterr().err
+
+
+def test_an_existing_sweep_is_not_overwritten(tmp_path, capsys):
+    record = tmp_path / "runs" / "mine" / RECORD_NAME
+    record.parent.mkdir(parents=True)
+    record.write_text("{}")
+    assert main(_tune(tmp_path, None, "tune.name=mine", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "--resume" in capsys.readouterr().err
+    assert record.read_text() == "{}"
+
+
+def test_resume_takes_nothing_but_the_sweep_directory(tmp_path, capsys):
+    assert main(["tune", "--resume", str(tmp_path), "--space", "lr_wd"]) == EXIT_INVALID_INPUT
+    assert "drop --space" in capsys.readouterr().err
+
+
+def test_resume_of_a_directory_without_a_sweep_exits_2(tmp_path, capsys):
+    assert main(["tune", "--resume", str(tmp_path)]) == EXIT_INVALID_INPUT
+    assert "no sweep there" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Resources
+# --------------------------------------------------------------------------------------------------
+
+def test_two_cores_run_one_trial_of_one_worker_at_a_time():
+    cfg = load_config("smoke", ["scaling.num_workers=1"])
+    assert concurrent_trials(cfg, {"CPU": 2.0}) == 1
+
+
+def test_a_full_node_runs_as_many_trials_as_fit():
+    cfg = load_config("smoke", ["scaling.num_workers=2"])
+    assert concurrent_trials(cfg, {"CPU": 16.0}) == 5  # 3 CPUs each: trial function + 2 workers
+
+
+def test_gpus_bound_concurrency_on_a_gpu_cluster():
+    cfg = load_config("smoke", ["scaling.num_workers=2", "scaling.use_gpu=true", "scaling.gpus_per_worker=1",
+                                "tune.trial_cpus=0.5"])
+    assert concurrent_trials(cfg, {"CPU": 64.0, "GPU": 8.0}) == 4
+
+
+def test_a_trial_that_cannot_fit_the_cluster_is_an_error():
+    cfg = load_config("smoke", ["scaling.num_workers=4"])
+    with pytest.raises(ValueError, match="one trial needs 5 CPUs"):
+        concurrent_trials(cfg, {"CPU": 4.0})
+
+
+# --------------------------------------------------------------------------------------------------
+# Results table
+# --------------------------------------------------------------------------------------------------
+
+def test_pareto_front_keeps_trials_no_cheaper_trial_beats():
+    points = [(1.0, 50.0), (2.0, 40.0), (2.0, 70.0), (3.0, 60.0), (4.0, 80.0)]
+    assert pareto_front(points, "max") == [(1.0, 50.0), (2.0, 70.0), (4.0, 80.0)]
+    assert pareto_front([(1.0, 0.5), (2.0, 0.7), (3.0, 0.2)], "min") == [(1.0, 0.5), (3.0, 0.2)]
+
+
+def _fake_sweep(storage) -> MlflowClient:
+    """A finished sweep as `vitsweep tune` records it: a parent and three children."""
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    experiment = client.create_experiment("vitsweep")
+    parent = client.create_run(experiment, run_name="lr-sweep", tags={ROLE_TAG: "sweep"}).info.run_id
+    client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
+                                     Param("space", "lr"), Param("tune.searcher", "grid"),
+                                     Param("tune.scheduler", "asha")])
+    trials = [("t_00000", 2e-3, [60.0, 85.0], "completed"), ("t_00001", 1e-7, [8.0], "early_stopped: ASHA stopped it"),
+              ("t_00002", 1e-3, [55.0, 80.0], "completed")]
+    for trial_id, lr, curve, reason in trials:
+        run = client.create_run(experiment, run_name=trial_id, tags={
+            PARENT_TAG: parent, TRIAL_TAG: trial_id, KNOBS_TAG: json.dumps({"optim.lr": lr}), STOP_REASON_TAG: reason})
+        client.log_batch(run.info.run_id, metrics=[Metric("val_top1", v, 0, step) for step, v in enumerate(curve)],
+                         params=[Param("model_facts.params", "904000"), Param("model_facts.gflops", "0.003")])
+        client.set_terminated(run.info.run_id, "FINISHED")
+    client.log_text(parent, json.dumps([{"knobs": {"optim.lr": 5.0}, "reason": "too big"}]), "pruned.json")
+    return client
+
+
+def test_compare_prints_the_sweep_table_best_first(tmp_path, capsys):
+    _fake_sweep(tmp_path)
+    assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("sweep lr-sweep (RUNNING): space lr, searcher grid, scheduler asha")
+    rows = [line.split()[:5] for line in lines[3:7]]
+    assert rows == [["t_00000", "completed", "0.002", "2", "85"], ["t_00002", "completed", "0.001", "2", "80"],
+                    ["t_00001", "early_stopped", "1e-07", "1", "8"], ["-", "pruned", "5", "0", "too"]]
+
+
+def test_compare_csv_has_one_row_per_trial_and_pruned_sample(tmp_path, capsys):
+    _fake_sweep(tmp_path)
+    assert main(["compare", "vitsweep", "--csv", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("trial,state,lr,epochs,val_top1") and len(lines) == 1 + 4
+
+
+def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_path, capsys):
+    _fake_sweep(tmp_path)
+    assert main(["compare", "vitsweeep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_INVALID_INPUT
+    assert "experiments: " in capsys.readouterr().err
+
+
+def test_sweep_record_round_trips_on_a_local_path_and_a_uri(tmp_path):
+    from pipeline.sweeps.runner import read_text, write_text
+
+    write_text(str(tmp_path / "a" / "record.json"), "local")
+    write_text(f"file://{tmp_path}/b/record.json", "uri")
+    assert read_text(str(tmp_path / "a" / "record.json")) == "local"
+    assert read_text(f"file://{tmp_path}/b/record.json") == "uri"
+    assert read_text(f"file://{tmp_path}/missing.json") is None
+
+
+def test_plots_cover_each_knob_and_the_cost_pareto_front(tmp_path):
+    from pipeline.sweeps.report import TrialRow, plot_sweep
+
+    knobs = [{"model.args.channel_schedule": "linear", "model.args.mha_ratio_range.0": 0.25},
+             {"model.args.channel_schedule": "decreasing"}, {"model.args.channel_schedule": "increasing"}]
+    rows = [TrialRow(f"t{i}", f"r{i}", state, "", knobs[i], 3, {"val_top1": top1}, params, 0.01 * params)
+            for i, (state, top1, params) in enumerate([("completed", 70.0, 1.0), ("completed", 80.0, 2.0),
+                                                       ("early_stopped", 20.0, 1.5)])]
+    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
+    assert sorted(p.name for p in written) == ["val_top1_vs_channel_schedule.png", "val_top1_vs_mha_ratio_range.0.png",
+                                               "val_top1_vs_params_and_gflops.png"]
+    assert all(p.stat().st_size > 1000 for p in written)

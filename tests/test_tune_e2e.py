@@ -1,0 +1,275 @@
+"""`vitsweep tune` end to end on 2 cores: ASHA stops a bad trial, a diverging trial fails alone, a killed
+sweep resumes without re-running finished trials, and MLflow holds one parent with a child per trial."""
+import csv
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import VITSWEEP, run_vitsweep, vitsweep_env
+from pipeline.config import load_config
+
+pytestmark = pytest.mark.slow
+
+EPOCH_METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
+
+
+def tune_command(storage, data, space, *overrides) -> list[str]:
+    """`vitsweep tune` on the smoke model with one worker per trial, writing only under ``storage``."""
+    args = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",
+            "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=1",
+            "--set", f"data.train={data['train']}", "--set", f"data.val={data['val']}", "--set", "data.prepare=null"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+def _runs(storage):
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    experiment = client.get_experiment_by_name("vitsweep")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("vitsweep.role") == "sweep"]
+    children = {r.data.tags["trial_id"]: r for r in runs if r.data.tags.get("vitsweep.role") == "trial"}
+    return client, parents, children
+
+
+def _lr(run) -> float:
+    return json.loads(run.data.tags["knobs"])["optim.lr"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A 4-trial grid under ASHA
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def asha_sweep(tmp_path_factory, digits16):
+    storage = tmp_path_factory.mktemp("asha")
+    space = storage / "lr.yaml"
+    # The last trial's learning rate is far too small: at the first rung it is below the others' median.
+    space.write_text("params:\n  optim.lr: {values: [2.0e-3, 1.5e-3, 1.0e-3, 1.0e-7]}\n")
+    result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
+                                       "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"),
+                          timeout=1500)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return storage, result
+
+
+def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
+    storage, result = asha_sweep
+    _, _, children = _runs(storage)
+    assert "sweep asha (finished)" in result.stdout
+    assert all(trial_id in result.stdout for trial_id in children)
+    assert f"sqlite:///{storage}/mlflow.db" in result.stdout
+
+
+def test_mlflow_holds_one_parent_run_and_a_nested_child_per_trial(asha_sweep):
+    _, parents, children = _runs(asha_sweep[0])
+    assert len(parents) == 1 and len(children) == 4
+    assert {r.data.tags["mlflow.parentRunId"] for r in children.values()} == {parents[0].info.run_id}
+    assert sorted(_lr(r) for r in children.values()) == [1e-7, 1e-3, 1.5e-3, 2e-3]
+
+
+def test_asha_stops_the_clearly_worse_trial_early_and_records_it_as_such(asha_sweep):
+    client, _, children = _runs(asha_sweep[0])
+    (bad,) = [r for r in children.values() if _lr(r) == 1e-7]
+    assert bad.data.tags["stop_reason"].startswith("early_stopped: ASHA stopped it after epoch 1 of 3")
+    assert bad.info.status == "FINISHED"  # stopped by the scheduler, not a failure
+    assert len(client.get_metric_history(bad.info.run_id, "val_top1")) < 3
+
+
+def test_each_child_carries_a_training_runs_record_and_its_trial_id(asha_sweep):
+    client, _, children = _runs(asha_sweep[0])
+    expected = set(load_config("smoke").flat()) | {"model_facts.params", "model_facts.gflops"}
+    for trial_id, run in children.items():
+        assert expected <= set(run.data.params), trial_id
+        assert run.data.params["run.name"] == trial_id and run.data.params["optim.lr"] == str(_lr(run))
+        assert EPOCH_METRICS <= set(run.data.metrics), trial_id
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")]
+        assert steps == list(range(len(steps))) and steps, trial_id
+        assert {"config.yaml", "deepspeed.json", "model_summary.txt"} <= {
+            a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_trials_that_train_every_epoch_finish_with_their_final_model(asha_sweep):
+    client, _, children = _runs(asha_sweep[0])
+    completed = [r for r in children.values() if r.data.tags["stop_reason"] == "completed"]
+    assert completed
+    for run in completed:
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [0, 1, 2]
+        assert "model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert len(run.outputs.model_outputs) == 1
+
+
+def test_parent_records_space_searcher_scheduler_and_best_trial(asha_sweep):
+    _, (parent,), children = _runs(asha_sweep[0])
+    params, tags = parent.data.params, parent.data.tags
+    assert parent.info.status == "FINISHED"
+    assert params["tune.searcher"] == "grid" and params["tune.scheduler"] == "asha" and params["searched_keys"] == "optim.lr"
+    completed = [r for r in children.values() if r.data.tags["stop_reason"] == "completed"]
+    best = max(completed, key=lambda r: r.data.metrics["val_top1"])
+    assert tags["best_trial_id"] == best.data.tags["trial_id"] and tags["best_run_id"] == best.info.run_id
+    assert parent.data.metrics["best_val_top1"] == pytest.approx(best.data.metrics["val_top1"])
+    assert parent.data.metrics["trials_early_stopped"] >= 1
+
+
+def test_parent_holds_the_results_table_and_plots(asha_sweep):
+    storage = asha_sweep[0]
+    client, (parent,), children = _runs(storage)
+    run_id = parent.info.run_id
+    assert {"results.csv", "space.yaml", "base_config.yaml"} <= {a.path for a in client.list_artifacts(run_id)}
+    assert {"plots/val_top1_vs_lr.png", "plots/val_top1_vs_params_and_gflops.png"} <= {
+        a.path for a in client.list_artifacts(run_id, "plots")}
+    rows = list(csv.DictReader(io.StringIO(_download(client, run_id, "results.csv", storage))))
+    assert {row["trial"] for row in rows} == set(children)
+    assert {row["state"] for row in rows} <= {"completed", "early_stopped"}
+
+
+def _download(client, run_id, name, storage) -> str:
+    directory = storage / f"artifacts-{run_id}"
+    directory.mkdir(exist_ok=True)
+    return open(client.download_artifacts(run_id, name, str(directory))).read()
+
+
+def test_compare_prints_the_same_table_as_the_parents_csv(asha_sweep):
+    storage = asha_sweep[0]
+    client, (parent,), _ = _runs(storage)
+    result = run_vitsweep([VITSWEEP, "compare", "vitsweep", "--csv", "--set", f"run.storage_path={storage}"], timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    recorded = list(csv.reader(io.StringIO(_download(client, parent.info.run_id, "results.csv", storage))))
+    printed = list(csv.reader(io.StringIO(result.stdout)))
+    assert printed == recorded
+
+
+# --------------------------------------------------------------------------------------------------
+# A sweep with a diverging trial, killed and resumed
+# --------------------------------------------------------------------------------------------------
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the sweep's driver, then wait for the Ray processes it started to go with it."""
+    tree = psutil.Process(process.pid).children(recursive=True)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    for leftover in alive:  # never leave Ray workers running on the shared machine
+        leftover.kill()
+
+
+@pytest.fixture(scope="module")
+def resumed_sweep(tmp_path_factory, digits16):
+    storage = tmp_path_factory.mktemp("resume")
+    space = storage / "lr.yaml"
+    space.write_text("params:\n  optim.lr: {values: [2.0e-3, 1.0e+6, 1.0e-3]}\n")  # the second one diverges
+    log = storage / "first.log"
+    command = tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=resumable",
+                           "tune.scheduler=fifo", "optim.weight_decay=0")
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=vitsweep_env())
+        deadline = time.time() + 900
+        try:
+            # Kill it once the third trial has trained (and checkpointed) its first epoch.
+            while log.read_text().count("epoch 1/3") < 2:
+                assert process.poll() is None, log.read_text()[-4000:]
+                assert time.time() < deadline, log.read_text()[-4000:]
+                time.sleep(2)
+        finally:
+            _kill_tree(process)
+    _, _, before = _runs(storage)
+    history = {t: [(m.step, m.timestamp) for m in _client(storage).get_metric_history(r.info.run_id, "val_top1")]
+               for t, r in before.items()}
+    result = run_vitsweep([VITSWEEP, "tune", "--resume", str(storage / "resumable")], timeout=1200)
+    return storage, before, history, result
+
+
+def _client(storage):
+    return MlflowClient(f"sqlite:///{storage}/mlflow.db")
+
+
+def _trial_started(output: str) -> set[str]:
+    return set(re.findall(r"Trial (\w+) started", output))
+
+
+def test_killed_sweep_left_its_finished_trials_finished(resumed_sweep):
+    _, before, _, _ = resumed_sweep
+    states = {_lr(r): (r.info.status, r.data.tags["stop_reason"]) for r in before.values()}
+    assert states[2e-3] == ("FINISHED", "completed")
+    assert states[1e6][0] == "FAILED"
+    assert states[1e-3][0] == "RUNNING"
+
+
+def test_resumed_sweep_completes(resumed_sweep):
+    storage, _, _, result = resumed_sweep
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    _, (parent,), children = _runs(storage)
+    assert parent.info.status == "FINISHED"
+    (resumed,) = [r for r in children.values() if _lr(r) == 1e-3]
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["stop_reason"] == "completed"
+    # Continued from its checkpoint, not restarted: every epoch logged once.
+    assert sorted(m.step for m in _client(storage).get_metric_history(resumed.info.run_id, "val_top1")) == [0, 1, 2]
+
+
+def test_resume_does_not_rerun_finished_trials(resumed_sweep):
+    storage, before, history, result = resumed_sweep
+    _, _, after = _runs(storage)
+    finished = [t for t, r in before.items() if r.info.status != "RUNNING"]
+    assert len(finished) == 2
+    assert not _trial_started(result.stdout) & set(finished)
+    for trial_id in finished:
+        assert after[trial_id].info.end_time == before[trial_id].info.end_time
+        steps = [(m.step, m.timestamp) for m in _client(storage).get_metric_history(after[trial_id].info.run_id, "val_top1")]
+        assert steps == history[trial_id]
+
+
+def test_resume_continues_the_interrupted_trials_mlflow_run_without_duplicates(resumed_sweep):
+    storage, before, _, _ = resumed_sweep
+    _, parents, after = _runs(storage)
+    assert len(parents) == 1 and len(after) == 3
+    assert {t: r.info.run_id for t, r in after.items()} == {t: r.info.run_id for t, r in before.items()}
+
+
+def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(resumed_sweep):
+    storage, _, _, _ = resumed_sweep
+    _, (parent,), children = _runs(storage)
+    (diverged,) = [r for r in children.values() if _lr(r) == 1e6]
+    assert diverged.info.status == "FAILED"
+    assert diverged.data.tags["stop_reason"].startswith("diverged: loss diverged at epoch 0 step")
+    assert sorted(r.data.tags["stop_reason"] for r in children.values() if r is not diverged) == ["completed"] * 2
+    assert parent.data.metrics["trials_diverged"] == 1 and parent.data.metrics["trials_completed"] == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Optuna TPE: samples checked as their trials start
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tpe_sweep(tmp_path_factory, digits16):
+    storage = tmp_path_factory.mktemp("tpe")
+    space = storage / "heads.yaml"
+    # 6 heads do not divide 128 channels: that one combination of four is invalid.
+    space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
+    result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
+                                       "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
+                                       "tune.scheduler=fifo"), timeout=1200)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return storage
+
+
+def test_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(tpe_sweep):
+    client, (parent,), children = _runs(tpe_sweep)
+    assert parent.data.params["tune.searcher"] == "tpe"
+    pruned = json.loads(_download(client, parent.info.run_id, "pruned.json", tpe_sweep))
+    assert len(children) + len(pruned) == 3
+    assert pruned  # seed 0 draws (128 channels, 6 heads) as its second sample
+    assert all(p["knobs"] == {"model.args.embed_dim": 128, "model.args.num_heads": 6} for p in pruned)
+    assert all("forward pass fails" in p["reason"] for p in pruned)
+    for run in children.values():
+        knobs = json.loads(run.data.tags["knobs"])
+        assert knobs != {"model.args.embed_dim": 128, "model.args.num_heads": 6}
+        assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
