@@ -10,6 +10,7 @@ from pipeline.config import load_config
 from pipeline.sweeps.report import pareto_front
 from pipeline.sweeps.runner import RECORD_NAME, concurrent_trials
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
+from pipeline.tracking import experiment_id
 
 
 def _tune(tmp_path, space_text: str | None, *overrides: str, space: str | None = None) -> list[str]:
@@ -120,7 +121,7 @@ def test_pareto_front_keeps_trials_no_cheaper_trial_beats():
 def _fake_sweep(storage) -> MlflowClient:
     """A finished sweep as `vitsweep tune` records it: a parent and three children."""
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
-    experiment = client.create_experiment("vitsweep")
+    experiment = experiment_id(client, "vitsweep")  # artifacts beside the store, not in ./mlruns
     parent = client.create_run(experiment, run_name="lr-sweep", tags={ROLE_TAG: "sweep"}).info.run_id
     client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
                                      Param("space", "lr"), Param("tune.searcher", "grid"),
