@@ -26,7 +26,8 @@ system-packages:
 $(STAMP): pyproject.toml constraints.txt | system-packages
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
-	$(BIN)/python -c "import torch, torchvision, timm, ray, deepspeed, ffcv, mlflow, pipeline, models" \
+	@# pipeline.data.runtime also fills numba's on-disk cache of what `import ffcv` compiles (~3 s per process after).
+	$(BIN)/python -c "import torch, torchvision, timm, ray, deepspeed, mlflow, pipeline.data.runtime, models" \
 	  || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }
 	@touch $(STAMP)
 	@echo "setup: ready ($(VENV))"

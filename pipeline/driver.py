@@ -1,8 +1,9 @@
 """The Ray driver of one training run: validate everything, start Ray, train, record in MLflow.
 
-Everything that can be wrong with the input is checked before Ray starts (exit 2, nothing
+Everything that can be wrong with the input is checked before any worker starts (exit 2, nothing
 written): the config, the model's overrides, the datasets, the MLflow store, and a resumed
-run's checkpoint belonging to the same model.
+run's checkpoint belonging to the same model. `vitsweep train` starts a new local Ray while it
+checks (and stops it again on bad input); a cluster is joined only after the checks passed.
 """
 from __future__ import annotations
 
@@ -112,6 +113,13 @@ def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
     }
 
 
+def _ray_address(address: str | None) -> str:
+    # --address, else RAY_ADDRESS (set for a `ray job submit` driver: the cluster it was submitted
+    # to), else a new local Ray in this process -- never a cluster that merely runs on this machine
+    # (a bare ray.init() would join one found through /tmp/ray).
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def _start_ray(address: str | None) -> None:
     import ray
 
@@ -122,20 +130,31 @@ def _start_ray(address: str | None) -> None:
             f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
             "--working-dir . -- vitsweep train ...` (see README) or pass a cluster address (auto, ray://...)"
         )
-    # --address, else RAY_ADDRESS (set for a `ray job submit` driver: the cluster it was submitted
-    # to), else a new local Ray in this process -- never a cluster that merely runs on this machine
-    # (a bare ray.init() would join one found through /tmp/ray).
-    address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, logging_level="WARNING", configure_logging=True, log_to_driver=True)
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
+    ray.init(address=_ray_address(address), logging_level="WARNING", configure_logging=True, log_to_driver=True)
 
 
-def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
-    launched_at = launched_at or time.time()
-    cfg = cfg.with_absolute_paths()
+@dataclass(frozen=True)
+class CheckedRun:
+    """A run whose input passed every check: what launching it needs."""
+
+    cfg: ExperimentConfig  # with absolute paths
+    data: ResolvedData
+    run_name: str
+    storage: Path
+    tracking_uri: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.storage / self.run_name
+
+
+def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
+    """Everything that can be checked before any worker starts (InvalidInputError / ConfigError)."""
     from pipeline.modeling import check_buildable
-    from pipeline.tracking import check_logger_can_reach, check_reachable, finish_run, resolve_tracking_uri
+    from pipeline.tracking import check_logger_can_reach, check_reachable, resolve_tracking_uri
 
-    # 1. Everything that can be checked here, before Ray starts.
+    cfg = cfg.with_absolute_paths()
     check_buildable(cfg.model)
     data = resolve_data(cfg)
     if cfg.distill.teacher is not None:
@@ -144,28 +163,70 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
         build_teacher(cfg.distill, data.num_classes)  # its checkpoint must fit before any worker loads it
     storage = Path(cfg.run.storage_path).expanduser().resolve()
     run_name = cfg.run.name or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = storage / run_name
     tracking_uri = resolve_tracking_uri(cfg)
     check_logger_can_reach(tracking_uri, address)
     try:
         check_reachable(tracking_uri)
     except ConnectionError as err:
         raise InvalidInputError(str(err)) from None
-    check_resumable(run_dir, cfg, data.num_classes)
+    check_resumable(storage / run_name, cfg, data.num_classes)
+    return CheckedRun(cfg, data, run_name, storage, tracking_uri)
 
-    # 2. Ray and the MLflow run (set up side by side: both mostly wait), then the trainer.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
+
+def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
+    """Check everything, then start Ray and open the MLflow run side by side (both mostly wait), then train."""
+    from pipeline.tracking import finish_run
+
+    launched_at = launched_at or time.time()
+    run = check_run(cfg, address)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        opening = pool.submit(open_mlflow_run, cfg, data, run_name, run_dir, tracking_uri)
+        opening = pool.submit(open_mlflow_run, run.cfg, run.data, run.run_name, run.run_dir, run.tracking_uri)
         try:
             _start_ray(address)
         except BaseException:
-            finish_run(tracking_uri, opening.result(), "FAILED")
+            finish_run(run.tracking_uri, opening.result(), "FAILED")
             raise
         mlflow_run_id = opening.result()
-    trainer = build_trainer(cfg, data, run_name, storage, tracking_uri, mlflow_run_id, launched_at)
-    result = fit_and_record(trainer, cfg, data, tracking_uri, mlflow_run_id)
-    return TrainingOutcome(run_name, run_dir, tracking_uri, mlflow_run_id, dict(result.metrics))
+    return _train(run, mlflow_run_id, launched_at)
+
+
+def train_from_config(config: str | None, overrides: list[str], address: str | None, launched_at: float) -> TrainingOutcome:
+    """`vitsweep train`. With a new local Ray (no --address, no RAY_ADDRESS), Ray starts (~5 s,
+    mostly its own processes on the other core) while the config is loaded, everything is checked
+    and the MLflow run opened (~7 s, mostly imports): bad input stops that Ray again, nothing
+    written. A cluster is joined only after the checks passed."""
+    from pipeline.config import load_config
+    from pipeline.tracking import finish_run
+
+    if _ray_address(address) != "local":
+        return run_training(load_config(config, overrides), address, launched_at)
+
+    def prepare() -> tuple[CheckedRun, str]:
+        run = check_run(load_config(config, overrides), address)
+        return run, open_mlflow_run(run.cfg, run.data, run.run_name, run.run_dir, run.tracking_uri)
+
+    import ray
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        preparing = pool.submit(prepare)
+        try:
+            _start_ray(address)  # in the main thread, where Ray installs its SIGTERM handler
+        except BaseException:
+            run, mlflow_run_id = preparing.result()  # bad input explains more than a failed Ray start
+            finish_run(run.tracking_uri, mlflow_run_id, "FAILED")
+            raise
+        try:
+            run, mlflow_run_id = preparing.result()
+        except BaseException:
+            ray.shutdown()
+            raise
+    return _train(run, mlflow_run_id, launched_at)
+
+
+def _train(run: CheckedRun, mlflow_run_id: str, launched_at: float) -> TrainingOutcome:
+    trainer = build_trainer(run.cfg, run.data, run.run_name, run.storage, run.tracking_uri, mlflow_run_id, launched_at)
+    result = fit_and_record(trainer, run.cfg, run.data, run.tracking_uri, mlflow_run_id)
+    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, mlflow_run_id, dict(result.metrics))
 
 
 def open_mlflow_run(cfg: ExperimentConfig, data: ResolvedData, run_name: str, run_dir: Path, tracking_uri: str,

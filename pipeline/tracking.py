@@ -1,12 +1,14 @@
 """MLflow tracking: where runs are recorded and whether that store can be reached."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +148,30 @@ def log_trained_model(uri: str, run_id: str, model, weights: Path, img_size: int
     import mlflow.pytorch
     import numpy as np
 
-    mlflow.set_tracking_uri(uri)
     client = mlflow.tracking.MlflowClient(uri)
     client.log_artifact(run_id, str(weights))
     example = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
-    with mlflow.start_run(run_id=run_id):
+    with _fluent_tracking_uri(uri), mlflow.start_run(run_id=run_id):
         # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
         mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle")
+
+
+@contextlib.contextmanager
+def _fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent API (``log_model``) reads a process-global URI, and ``set_tracking_uri`` also
+    exports it as MLFLOW_TRACKING_URI to every later subprocess: set both for the block only."""
+    import mlflow
+
+    exported, previous = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+        if exported is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = exported
 
 
 class MLflowEpochLogger(UserCallback):

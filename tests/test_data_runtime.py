@@ -1,6 +1,8 @@
-"""ffcv's process-wide side effects stay contained: thread count on import, finalizer noise on GC."""
+"""ffcv's process-wide side effects stay contained: thread count on import, finalizer noise on GC,
+and its import-time numba compile paid once per machine."""
 import gc
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +18,14 @@ def test_importing_the_data_layer_keeps_torchs_thread_count():
               "print(torch.get_num_threads())")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "2"  # a bare `import ffcv` leaves 1
+
+
+def test_ffcvs_import_time_numba_compile_is_cached_on_disk(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):  # compile and store, then load
+        subprocess.run([sys.executable, "-c", "import pipeline.data.runtime"], env=env, check=True)
+    cached = {path.name.split("-")[0] for path in tmp_path.rglob("*.nbi")}
+    assert {"typeddict._make_dict", "typeddict._setitem"} <= cached
 
 
 # In a fresh interpreter: numba's finalizer noise depends on what was compiled before in the process.

@@ -79,10 +79,11 @@ def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
 
 
-def test_logged_model_loads_with_mlflow_and_predicts(two_epoch_run):
+def test_logged_model_loads_with_mlflow_and_predicts(two_epoch_run, monkeypatch):
     storage, _ = two_epoch_run
     _, run = _only_run(storage)
-    mlflow.set_tracking_uri(f"sqlite:///{storage}/mlflow.db")
+    # Not mlflow.set_tracking_uri: it would export the URI to every later test's subprocesses.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{storage}/mlflow.db")
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     assert model(torch.zeros(3, 3, 16, 16)).shape == (3, 10)
 

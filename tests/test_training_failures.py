@@ -1,5 +1,7 @@
-"""Bad input fails before any cluster work with exit 2; a diverging run stops and is recorded FAILED."""
+"""Bad input fails before any worker starts with exit 2, writing nothing; a diverging run stops and is
+recorded FAILED."""
 import pickle
+import time
 
 import pytest
 import torch
@@ -9,13 +11,13 @@ from conftest import run_vitsweep, train_command
 from pipeline.checkpointing import weights_only_checkpoint_engine
 
 
-def test_invalid_config_exits_2_before_ray_starts(tmp_path, digits16):
+def test_invalid_config_exits_2_before_any_worker_starts(tmp_path, digits16):
     result = run_vitsweep(train_command(tmp_path / "runs", digits16, "optim.lr=-1"), timeout=120)
     assert result.returncode == 2 and "optim.lr" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_unknown_model_override_exits_2_before_ray_starts(tmp_path, digits16):
+def test_unknown_model_override_exits_2_before_any_worker_starts(tmp_path, digits16):
     result = run_vitsweep(train_command(tmp_path / "runs", digits16, "model.args.qkv=quadratic"), timeout=120)
     assert result.returncode == 2 and "quadratic" in result.stderr
     assert not (tmp_path / "runs").exists()
@@ -25,6 +27,20 @@ def test_missing_dataset_exits_2_naming_the_path(tmp_path, digits16):
     data = {**digits16, "train": tmp_path / "nowhere.beton"}
     result = run_vitsweep(train_command(tmp_path / "runs", data), timeout=120)
     assert result.returncode == 2 and "nowhere.beton" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_input_stops_the_local_ray_that_started_alongside_the_checks(tmp_path, digits16):
+    import ray
+
+    from pipeline.driver import train_from_config
+    from pipeline.errors import InvalidInputError
+
+    overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.train={tmp_path / 'nowhere.beton'}",
+                 f"data.val={digits16['val']}", "data.prepare=null"]
+    with pytest.raises(InvalidInputError, match="nowhere.beton"):
+        train_from_config("smoke", overrides, address=None, launched_at=time.time())
+    assert not ray.is_initialized()
     assert not (tmp_path / "runs").exists()
 
 

@@ -25,12 +25,10 @@ def add_parser(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     launched_at = time.time()
-    from pipeline.config import load_config
-    from pipeline.driver import TrainingDiverged, run_training
+    from pipeline.driver import TrainingDiverged, train_from_config
 
-    cfg = load_config(args.config, args.overrides)
     try:
-        outcome = run_training(cfg, address=args.address, launched_at=launched_at)
+        outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
     except TrainingDiverged as err:
         print(f"vitsweep train: {err}", file=sys.stderr)
         return 1

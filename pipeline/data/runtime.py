@@ -5,6 +5,9 @@
   threads. Import ffcv through this module (``pipeline.data`` modules all do) and build loaders as
   ``ThreadCountPreservingLoader``. Only the calling thread's count changes (OpenMP keeps it per
   thread), so the loader's own background thread may keep ffcv's setting.
+- ``import ffcv`` fills a numba typed ``Dict``, which JIT-compiles numba's dict functions: ~3 s
+  in every process (the driver, each Ray Train worker). ``cache_numba_typed_dict`` turns on numba's
+  on-disk cache for exactly those functions first, so only the first process on a machine pays.
 - When a Loader is garbage-collected, numba dispatcher finalizers can report a harmless
   ``KeyError`` through ``sys.unraisablehook``; ``quiet_numba_finalizers`` drops exactly that report
   for user-facing commands and passes every other one on.
@@ -30,6 +33,18 @@ def preserved_torch_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def cache_numba_typed_dict() -> None:
+    """Numba's own ``cache=True``, for its typed-dict dispatchers (compiled once per machine, then
+    loaded from numba's cache directory, keyed by numba's source and the CPU)."""
+    import numba.typed.typeddict
+    from numba.core.dispatcher import Dispatcher
+
+    for value in vars(numba.typed.typeddict).values():
+        if isinstance(value, Dispatcher):
+            value.enable_caching()
+
+
+cache_numba_typed_dict()
 with preserved_torch_threads():
     import ffcv  # noqa: F401  (sets torch's thread count to 1 at import)
     from ffcv.loader import Loader as _FFCVLoader

@@ -1,0 +1,30 @@
+"""MLflow helpers: the final model is logged without leaking a tracking URI into the process."""
+import os
+
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.tracking import experiment_id, local_artifact_root, log_trained_model
+
+
+def test_experiments_of_a_local_store_keep_their_artifacts_beside_it(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment(experiment_id(client, "vitsweep"))
+    assert experiment.artifact_location == local_artifact_root(client.tracking_uri) == (tmp_path / "mlartifacts").as_uri()
+    assert experiment_id(client, "vitsweep") == experiment.experiment_id  # found again, not created twice
+
+
+def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(experiment_id(client, "vitsweep")).info.run_id
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
+
+    log_trained_model(uri, run_id, model, weights, img_size=4)
+
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    assert [a.path for a in client.list_artifacts(run_id)] == ["model.safetensors"]
+    assert client.get_run(run_id).outputs.model_outputs  # the mlflow.pytorch model
