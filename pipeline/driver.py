@@ -43,14 +43,20 @@ class ResolvedData:
     num_classes: int
 
 
-def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
-    """Write the offline dataset if asked, then check both splits before any worker starts."""
-    from pipeline.data.integrity import check_beton
+def prepare_offline_data(cfg: ExperimentConfig) -> None:
+    """Write the offline dataset the config asks for (``data.prepare``), unless it is there already."""
     from pipeline.data.prepare import prepare_digits
-    from pipeline.data.staging import is_uri, read_location_sidecar
 
     if cfg.data.prepare == "digits":
         prepare_digits(cfg.data, cfg.model.img_size)
+
+
+def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
+    """Write the offline dataset if asked, then check both splits before any worker starts."""
+    from pipeline.data.integrity import check_beton
+    from pipeline.data.staging import is_uri, read_location_sidecar
+
+    prepare_offline_data(cfg)
     sidecars = {}
     for split in ("train", "val"):
         location = getattr(cfg.data, split)
@@ -192,17 +198,21 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
 
 def train_from_config(config: str | None, overrides: list[str], address: str | None, launched_at: float) -> TrainingOutcome:
     """`vitsweep train`. With a new local Ray (no --address, no RAY_ADDRESS), Ray starts (~5 s,
-    mostly its own processes on the other core) while the config is loaded, everything is checked
-    and the MLflow run opened (~7 s, mostly imports): bad input stops that Ray again, nothing
-    written. A cluster is joined only after the checks passed."""
+    mostly its own processes on the other core) while the input is checked and the MLflow run
+    opened (~3 s): bad input stops that Ray again, nothing written. A cluster is joined only after
+    the checks passed."""
     from pipeline.config import load_config
     from pipeline.tracking import finish_run
 
+    cfg = load_config(config, overrides)
     if _ray_address(address) != "local":
-        return run_training(load_config(config, overrides), address, launched_at)
+        return run_training(cfg, address, launched_at)
+    # ffcv's writer forks worker processes and reports a dead one by interrupting the main thread:
+    # a dataset to write (the first run only) is written here, before Ray starts.
+    prepare_offline_data(cfg.with_absolute_paths())
 
     def prepare() -> tuple[CheckedRun, str]:
-        run = check_run(load_config(config, overrides), address)
+        run = check_run(cfg, address)
         return run, open_mlflow_run(run.cfg, run.data, run.run_name, run.run_dir, run.tracking_uri)
 
     import ray

@@ -22,15 +22,18 @@ def _only_run(storage):
     return client, runs[0]
 
 
-# The ZeRO-2 run also keeps an EMA of the weights (one training run less in CI).
-@pytest.fixture(scope="module", params=[("1", "bf16", "null"), ("2", "fp32", "0.9")],
+# The ZeRO-2 run also keeps an EMA of the weights and, like the demo's first run, writes its offline
+# dataset itself before training (one training run less in CI).
+@pytest.fixture(scope="module", params=[("1", "bf16", "null", False), ("2", "fp32", "0.9", True)],
                 ids=["zero1-bf16", "zero2-fp32-ema"])
 def two_epoch_run(request, tmp_path_factory, digits16):
-    stage, precision, ema_decay = request.param
+    stage, precision, ema_decay, writes_dataset = request.param
     storage = tmp_path_factory.mktemp(f"zero{stage}-{precision}")
+    data = {"train": storage / "data" / "train.beton", "val": storage / "data" / "val.beton"} if writes_dataset else digits16
     result = run_vitsweep(train_command(
-        storage, digits16, "run.name=e2e", "optim.epochs=2", "optim.lr=2e-3",
+        storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=2e-3",
         f"deepspeed.zero_stage={stage}", f"deepspeed.precision={precision}", f"optim.ema_decay={ema_decay}",
+        *(["data.prepare=digits"] if writes_dataset else []),
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
@@ -40,6 +43,15 @@ def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
     storage, result = two_epoch_run
     assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout and "mlflow ui" in result.stdout
+
+
+def test_a_run_asked_to_prepare_its_dataset_writes_it_before_training(two_epoch_run, request):
+    storage, _ = two_epoch_run
+    written = {p.name for p in (storage / "data").glob("*")}
+    if request.node.callspec.id == "zero2-fp32-ema":  # the run with data.prepare=digits
+        assert {"train.beton", "train.beton.json", "val.beton", "val.beton.json"} <= written
+    else:
+        assert not written
 
 
 def test_loss_decreases_over_two_epochs(two_epoch_run):
