@@ -159,18 +159,17 @@ def log_trained_model(uri: str, run_id: str, model, weights: Path, img_size: int
 @contextlib.contextmanager
 def _fluent_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent API (``log_model``) reads a process-global URI, and ``set_tracking_uri`` also
-    exports it as MLFLOW_TRACKING_URI to every later subprocess: set both for the block only."""
+    exports it as MLFLOW_TRACKING_URI to every later subprocess: set both for the block only, then
+    leave MLflow unset again (vitsweep's processes never set a global URI of their own)."""
     import mlflow
 
-    exported, previous = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(previous)
-        if exported is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
+        mlflow.set_tracking_uri(None)  # unsets the global and the exported variable
+        if exported is not None:
             os.environ["MLFLOW_TRACKING_URI"] = exported
 
 

@@ -1,6 +1,7 @@
 """MLflow helpers: the final model is logged without leaking a tracking URI into the process."""
 import os
 
+import mlflow
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -26,5 +27,7 @@ def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(t
     log_trained_model(uri, run_id, model, weights, img_size=4)
 
     assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    assert mlflow.get_tracking_uri() == "sqlite:///elsewhere.db"  # no global left behind either
     assert [a.path for a in client.list_artifacts(run_id)] == ["model.safetensors"]
     assert client.get_run(run_id).outputs.model_outputs  # the mlflow.pytorch model
