@@ -126,7 +126,8 @@ def _ray_address(address: str | None) -> str:
     return address or os.environ.get("RAY_ADDRESS") or "local"
 
 
-def _start_ray(address: str | None) -> None:
+def start_ray(address: str | None, command: str = "train", local_cpus: int | None = None) -> None:
+    """Join ``address`` (or RAY_ADDRESS), else start a local Ray advertising ``local_cpus`` (default: the cores)."""
     import ray
 
     if ray.is_initialized():
@@ -134,10 +135,12 @@ def _start_ray(address: str | None) -> None:
     if address and address.startswith(("http://", "https://")):
         raise InvalidInputError(
             f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
-            "--working-dir . -- vitsweep train ...` (see README) or pass a cluster address (auto, ray://...)"
+            f"--working-dir . -- vitsweep {command} ...` (see README) or pass a cluster address (auto, ray://...)"
         )
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
-    ray.init(address=_ray_address(address), logging_level="WARNING", configure_logging=True, log_to_driver=True)
+    address = _ray_address(address)
+    local = {"num_cpus": local_cpus} if address == "local" and local_cpus else {}
+    ray.init(address=address, logging_level="WARNING", configure_logging=True, log_to_driver=True, **local)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def run_training(cfg: ExperimentConfig, address: str | None = None, launched_at:
     with ThreadPoolExecutor(max_workers=1) as pool:
         opening = pool.submit(open_mlflow_run, run.cfg, run.data, run.run_name, run.run_dir, run.tracking_uri)
         try:
-            _start_ray(address)
+            start_ray(address)
         except BaseException:
             finish_run(run.tracking_uri, opening.result(), "FAILED")
             raise
@@ -220,7 +223,7 @@ def train_from_config(config: str | None, overrides: list[str], address: str | N
     with ThreadPoolExecutor(max_workers=1) as pool:
         preparing = pool.submit(prepare)
         try:
-            _start_ray(address)  # in the main thread, where Ray installs its SIGTERM handler
+            start_ray(address)  # in the main thread, where Ray installs its SIGTERM handler
         except BaseException:
             run, mlflow_run_id = preparing.result()  # bad input explains more than a failed Ray start
             finish_run(run.tracking_uri, mlflow_run_id, "FAILED")

@@ -18,6 +18,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_address_argument(parser: argparse.ArgumentParser) -> None:
+    """--address, shared by the commands that run on Ray."""
+    parser.add_argument(
+        "--address", default=None,
+        help="Ray cluster to join: 'auto' (a running `ray start` cluster), ray://host:10001; default: "
+             "RAY_ADDRESS if set (a `ray job submit` driver), else a new local Ray in this process",
+    )
+
+
 def add_parser(commands) -> None:
     parser = commands.add_parser("config", help="Show or validate a resolved experiment config.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from pipeline.cli.config import add_config_arguments
+from pipeline.cli.config import add_address_argument, add_config_arguments
 
 
 def add_parser(commands) -> None:
@@ -15,11 +15,7 @@ def add_parser(commands) -> None:
                     "2 CPU workers, a local MLflow store).",
     )
     add_config_arguments(parser)
-    parser.add_argument(
-        "--address", default=None,
-        help="Ray cluster to join: 'auto' (a running `ray start` cluster), ray://host:10001; default: start "
-             "a local Ray in this process",
-    )
+    add_address_argument(parser)
     parser.set_defaults(run=_run)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli.config import add_config_arguments
+from pipeline.cli.config import add_address_argument, add_config_arguments
 from pipeline.errors import InvalidInputError
 
 
@@ -28,11 +28,7 @@ def add_parser(commands) -> None:
         help="continue an interrupted sweep from its directory (printed when it started); finished trials are "
              "not run again",
     )
-    parser.add_argument(
-        "--address", default=None,
-        help="Ray cluster to join: 'auto' (a running `ray start` cluster), ray://host:10001; default: start "
-             "a local Ray in this process",
-    )
+    add_address_argument(parser)
     parser.set_defaults(run=_run)
 
 

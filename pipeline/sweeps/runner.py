@@ -115,21 +115,11 @@ def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
 
 
 def start_ray(address: str | None, cfg: ExperimentConfig) -> None:
-    import ray
+    """`vitsweep train`'s rule (--address, else RAY_ADDRESS, else a new local Ray); a local Ray
+    advertises at least one trial's CPUs, so a trial function + its workers run even on 2 cores."""
+    from pipeline.driver import start_ray as start
 
-    if ray.is_initialized():
-        return
-    if address and address.startswith(("http://", "https://")):
-        raise InvalidInputError(
-            f"--address {address} is a Ray Jobs API address: run `ray job submit --address {address} "
-            "--working-dir . -- vitsweep tune ...` or pass a cluster address (auto, ray://...)"
-        )
-    # --address, else RAY_ADDRESS (a `ray job submit` driver: the cluster it was submitted to), else
-    # a new local Ray in this process, never a cluster that merely runs on this machine (a bare
-    # ray.init() would join one found through /tmp/ray).
-    address = address or os.environ.get("RAY_ADDRESS")
-    local = {} if address else {"num_cpus": max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus))}
-    ray.init(address=address or "local", logging_level="WARNING", configure_logging=True, log_to_driver=True, **local)
+    start(address, "tune", local_cpus=max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,11 +334,9 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     from mlflow.tracking import MlflowClient
     from ray import tune
 
-    from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
     from pipeline.sweeps.tracking import log_sweep_setup, open_parent_run
 
     cfg = sweep.cfg
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
     if cfg.tune.searcher == "tpe":
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
