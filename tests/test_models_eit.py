@@ -11,6 +11,7 @@ import models
 from models.eit import EIT, ParallelConvAttention
 from models.measure import build_on_meta, count_gmacs, count_params
 from models.layers.qkv import (
+    ArmourAttention,
     ArmourQKV,
     FullySharedNonLinearQKV,
     PartiallySharedNonLinearQKV,
@@ -305,6 +306,7 @@ def test_qkv_override_replaces_the_projection_of_every_mha_at_its_width(kind, op
     for block in model.blocks:
         attn = block.mixer.attn
         assert isinstance(attn.qkv, embedding_cls)
+        assert isinstance(attn, ArmourAttention) == (kind == "armour")  # Q used as V without a copy
         assert attn.qkv(tokens[..., :block.mixer.mha_dim]).shape == (2, 5, 3 * block.mixer.mha_dim)
 
 

@@ -4,7 +4,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the variants)
-from models.layers.qkv import ArmourQKV
+from models.layers.qkv import ArmourAttention, ArmourQKV
 from models.measure import build_on_meta, count_params
 
 # Paper 002 Table 3: reported params (M, one decimal) per row.
@@ -56,6 +56,7 @@ def test_armour_attention_is_softmax_of_qk_times_q():
 def test_armour_blocks_use_query_as_value():
     model = build_on_meta("armour_tiny")
     assert all(isinstance(b.attn.qkv, ArmourQKV) and b.attn.qkv.value_is_query for b in model.blocks)
+    assert all(isinstance(b.attn, ArmourAttention) for b in model.blocks)
 
 
 def test_armour_equals_deit_with_armour_qkv():

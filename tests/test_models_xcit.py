@@ -4,7 +4,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the variants)
-from models.layers.qkv import ArmourQKV, FullySharedNonLinearQKV
+from models.layers.qkv import ArmourQKV, ArmourXCA, FullySharedNonLinearQKV
 from models.measure import build_on_meta, count_gmacs, count_params
 
 # Paper 000 Table 2 (ImageNet, XCiT-N12 and XCiT-T12 rows) and Table 5: (model, overrides, reported params).
@@ -101,6 +101,7 @@ def test_pretrained_with_a_modified_qkv_is_rejected():
 def test_qkv_override_replaces_every_xca_block_but_not_class_attention():
     model = build_on_meta("xcit_nano_12_p16", qkv="armour")
     assert all(isinstance(block.attn.qkv, ArmourQKV) for block in model.blocks)
+    assert all(isinstance(block.attn, ArmourXCA) for block in model.blocks)
     assert all(not hasattr(block.attn, "qkv") for block in model.cls_attn_blocks)  # timm's CA has q, k, v
 
 

@@ -5,9 +5,14 @@ import torch.nn.functional as F
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
+from timm.layers import Attention
+from timm.models.xcit import XCA
+
 from models.layers.qkv import (
     QKV_KINDS,
+    ArmourAttention,
     ArmourQKV,
+    ArmourXCA,
     LinearQKV,
     build_qkv_embeddings,
     replace_qkv_embeddings,
@@ -180,6 +185,41 @@ def test_replace_qkv_embeddings_swaps_the_qkv_of_each_attention():
     replace_qkv_embeddings(attentions, "armour")
     assert [type(a.qkv) for a in attentions] == [ArmourQKV, ArmourQKV]
     assert [a.qkv.dim for a in attentions] == [16, 24]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize(("timm_attention", "armour_attention"), [(Attention, ArmourAttention), (XCA, ArmourXCA)],
+                         ids=["Attention", "XCA"])
+def test_armour_attention_equals_timms_forward_on_the_q_k_q_embedding(timm_attention, armour_attention, fused):
+    # The Armour forward skips the [q | k | q] copy; outputs and every gradient must stay timm's.
+    torch.manual_seed(0)
+    attention = timm_attention(24, num_heads=3, qkv_bias=True)
+    replace_qkv_embeddings([attention], "armour")
+    assert type(attention) is armour_attention
+    attention.fused_attn = fused
+    x = torch.randn(2, 7, 24, requires_grad=True)
+
+    def output_and_grads(forward):
+        attention.zero_grad()
+        x.grad = None
+        out = forward(x)
+        out.square().sum().backward()
+        return [out, x.grad] + [p.grad for p in attention.parameters()]
+
+    expected = output_and_grads(lambda t: timm_attention.forward(attention, t))  # through ArmourQKV's [q|k|q]
+    for got, want in zip(output_and_grads(attention), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_armour_keeps_other_attention_modules_on_the_q_k_q_embedding():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+    attention = Attn()
+    replace_qkv_embeddings([attention], "armour")
+    assert type(attention) is Attn and isinstance(attention.qkv, ArmourQKV)
 
 
 def test_replaced_embeddings_take_the_dtype_of_the_replaced_linear():

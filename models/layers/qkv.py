@@ -23,11 +23,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import trunc_normal_
+from timm.layers import Attention, maybe_add_mask, resolve_self_attn_mask, trunc_normal_
+from timm.models.xcit import XCA
 
 __all__ = [
     "QKV_KINDS",
+    "ArmourAttention",
     "ArmourQKV",
+    "ArmourXCA",
     "FullySharedNonLinearQKV",
     "LinearQKV",
     "PartiallySharedNonLinearQKV",
@@ -244,6 +247,68 @@ class ArmourQKV(nn.Module):
         return torch.cat(self.forward_qkv(x), dim=-1)
 
 
+# With ArmourQKV alone any timm attention is Armour, through the [q | k | q] it emits; but copying q into
+# the value slot (and summing the value's gradient back into q) costs about what dropping W_V saves (on
+# CPU it left DeiT-Ti's training throughput at +2%, against +7% without the copy; benchmarks/bench_armour.py).
+# So for timm's two attentions, replace_qkv_embeddings installs a forward that feeds Q to the values directly.
+
+
+class ArmourAttention(Attention):
+    """timm's multi-head ``Attention`` (ViT/DeiT, EIT) with ``ArmourQKV``: softmax(QKᵀ/√d)·Q, Q used as V as is.
+
+    The forward is timm's, except that V is the raw Q (before ``q_norm``, when there is one).
+    """
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            attn_mask: torch.Tensor | None = None,
+            is_causal: bool = False,
+    ) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, _ = self.qkv.forward_qkv(x)
+        q, k = (t.reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k))
+        v = q
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.,
+                is_causal=is_causal)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
+            x = self.attn_drop(attn.softmax(dim=-1)) @ v
+        x = self.norm(x.transpose(1, 2).reshape(B, N, self.attn_dim))
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+
+class ArmourXCA(XCA):
+    """timm's cross-covariance attention (XCiT) with ``ArmourQKV``: V is the raw Q (before XCA's L2 norm).
+
+    The forward is timm's otherwise: attention over channels, [B, heads, C/heads, N] layout.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, _ = self.qkv.forward_qkv(x)
+        q, k = (t.reshape(B, N, self.num_heads, C // self.num_heads).permute(0, 2, 3, 1) for t in (q, k))
+        v = q
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # XCiT §3.2
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q * self.temperature, k, v, scale=1.0)
+        else:
+            attn = (q @ k.transpose(-2, -1)) * self.temperature
+            x = self.attn_drop(attn.softmax(dim=-1)) @ v
+        x = x.permute(0, 3, 1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
+_ARMOUR_ATTENTIONS: dict[type[nn.Module], type[nn.Module]] = {Attention: ArmourAttention, XCA: ArmourXCA}
+
+
 def default_hidden_dim(kind: str, dim: int) -> int:
     """Hidden width of ``kind`` for token dim ``dim``, paper 000 Table 1 (d/2 SNE, 3d/4 P-SNE, d F-SNE)."""
     if kind not in _HIDDEN_KINDS:
@@ -412,7 +477,9 @@ def build_qkv_embeddings(
 def replace_qkv_embeddings(attentions: Sequence[nn.Module], kind: str, **builder_kwargs) -> None:
     """Swap the ``qkv`` Linear of each attention module (timm ``XCA`` / ``Attention``) for a ``kind`` embedding.
 
-    Dims, ``qkv_bias``, device and dtype are taken from the Linears being replaced; ``builder_kwargs`` go to
+    With ``kind="armour"`` timm's ``Attention`` and ``XCA`` also become ``ArmourAttention`` / ``ArmourXCA``,
+    which use Q as the values without copying it; other attention modules get Armour through the
+    [q | k | q] the embedding emits. Dims, ``qkv_bias``, device and dtype are taken from the Linears being replaced; ``builder_kwargs`` go to
     ``build_qkv_embeddings``. With ``kind="linear"`` timm's own Linears (and the initialisation they got)
     are kept.
     """
@@ -438,6 +505,9 @@ def replace_qkv_embeddings(attentions: Sequence[nn.Module], kind: str, **builder
         embeddings = build_qkv_embeddings(kind, dims, qkv_bias=biases.pop(), **builder_kwargs)
     for attn, embedding in zip(attentions, embeddings):
         attn.qkv = embedding.to(weight.dtype)
+        if kind == "armour" and type(attn) in _ARMOUR_ATTENTIONS:
+            # Same parameters and state-dict keys, only the forward changes: swap the class in place.
+            attn.__class__ = _ARMOUR_ATTENTIONS[type(attn)]
 
 
 class QKVOverrideMixin:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["SvPN", "svpn_exact", "svpn_approx"]
@@ -122,21 +121,26 @@ def svpn_approx(
 
 
 def _svpn_approx(q: torch.Tensor, v0: torch.Tensor, alpha: float, num_sv: int, iters: int, eps: float) -> torch.Tensor:
+    # Speed (benchmarks/bench_svpn.py): the shared v⁽⁰⁾ makes the first mat-vec one matrix-vector
+    # product over all B x m rows; per-matrix mat-vecs are broadcast multiply + sum, because a batched
+    # matmul of [B, m, n] by [B, n, 1] is dominated by per-matrix GEMM overhead at MGCrP's small m x n.
     residual = q  # Q - Σ_{i<k} λ̂_i û_i v̂_iᵀ, the deflated matrix of Eq. 7
     shrunk = None  # Σ_{i<k} λ̂_i^α û_i v̂_iᵀ
     for k in range(num_sv):
-        u = F.normalize((residual @ v0).unsqueeze(-1), dim=-2)  # first step of Eq. 6: one mat-vec for the batch
-        for step in range(iters):
-            if step:
-                u = F.normalize(residual @ v, dim=-2)
-            qt_u = residual.mT @ u
-            lam = qt_u.norm(dim=-2, keepdim=True)  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6)
-            v = qt_u / lam.clamp_min(1e-12)
+        for step in range(iters):  # every deflation step restarts from v⁽⁰⁾ (Eq. 6)
+            # Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
+            qv = residual @ v0 if step == 0 else (residual * v.unsqueeze(-2)).sum(-1)
+            qv_norm = qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            qt_qv = (residual * qv.unsqueeze(-1)).sum(-2)  # Qᵀ Q v⁽ʲ⁾, [B, n]
+            qt_qv_norm = qt_qv.norm(dim=-1, keepdim=True)
+            lam = qt_qv_norm / qv_norm  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6), without normalising u first
+            v = qt_qv / qt_qv_norm.clamp_min(1e-12)
+        lam = lam.unsqueeze(-1)  # [B, 1, 1]
         if k == num_sv - 1:  # remaining spectrum scaled by the r-th estimate (Eq. 8)
             scaled = residual * (lam.pow(1.0 - alpha) + eps).reciprocal()
             out = scaled if shrunk is None else shrunk + scaled
         else:
-            rank_one = u @ v.mT
+            rank_one = (qv / qv_norm).unsqueeze(-1) * v.unsqueeze(-2)  # û v̂ᵀ
             term = lam.pow(alpha) * rank_one
             shrunk = term if shrunk is None else shrunk + term
             residual = residual - lam * rank_one  # deflation (Eq. 7)
