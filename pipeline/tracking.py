@@ -202,7 +202,8 @@ class MLflowEpochLogger(UserCallback):
             f"val_loss {reported['val_loss']:.4f}  val_top1 {reported['val_top1']:.2f}%  "
             f"val_top5 {reported['val_top5']:.2f}%  lr {reported['lr']:.2e}  "
             f"{reported['images_per_sec']:.0f} img/s  {reported['epoch_time_s']:.1f}s"
-            + ("  (checkpoint saved)" if checkpoint is not None else ""),
+            + ("  (checkpoint saved)" if checkpoint is not None else "")
+            + ("  (resumed from a checkpoint)" if "resumed_at_epoch" in reported else ""),
             flush=True,
         )
 

@@ -131,6 +131,8 @@ def train_worker(plan_dict: dict[str, Any]) -> None:
         }
         if epoch == start_epoch and start_epoch == 0:
             metrics["time_to_first_step_s"] = time_to_first_step
+        elif epoch == start_epoch:  # a restart: MLflow shows where the run picked up its checkpoint
+            metrics["resumed_at_epoch"] = start_epoch
         last = epoch == cfg.optim.epochs - 1
         if (epoch + 1) % cfg.run.checkpoint_every == 0 or last:
             with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
