@@ -10,9 +10,11 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pipeline.errors import ConfigError
 
@@ -220,11 +222,32 @@ class ScalingConfig(_Section):
         return self
 
 
+# Error type of a value that must not be echoed back (it holds a secret).
+SECRET_VALUE_ERROR = "secret_value"
+
+
+def uri_password_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be used as given when it carries a password (``user:password@host``), else None."""
+    if urlsplit(uri).password is None:
+        return None
+    return ("embeds a password (user:password@host), which would be logged as an MLflow param, saved in "
+            "config.yaml and printed; give the URI without it and set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (an MLflow server) or PGPASSWORD / ~/.pgpass (a PostgreSQL store)")
+
+
 class TrackingConfig(_Section):
     """MLflow: where runs are recorded. No URI: a SQLite file under run.storage_path."""
 
     mlflow_uri: str | None = None
     experiment: str = Field("vitsweep", min_length=1)
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _no_password(cls, uri: str | None) -> str | None:
+        problem = None if uri is None else uri_password_problem(uri)
+        if problem:
+            raise PydanticCustomError(SECRET_VALUE_ERROR, problem)
+        return uri
 
 
 class RunConfig(_Section):
@@ -427,6 +450,8 @@ def _describe(error: dict[str, Any]) -> str:
         close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"{key}: unknown key{hint}; valid keys here: {', '.join(valid)}"
+    if error["type"] == SECRET_VALUE_ERROR:
+        return f"{key}: {message}"
     return f"{key} = {error['input']!r}: {message}"
 
 

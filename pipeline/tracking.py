@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import ExperimentConfig, uri_password_problem
 from pipeline.errors import InvalidInputError
 
 DEFAULT_STORE_NAME = "mlflow.db"
@@ -25,6 +25,9 @@ def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
     if cfg.tracking.mlflow_uri:
         return cfg.tracking.mlflow_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
+        problem = uri_password_problem(os.environ["MLFLOW_TRACKING_URI"])
+        if problem:
+            raise InvalidInputError(f"MLFLOW_TRACKING_URI {problem}")
         return os.environ["MLFLOW_TRACKING_URI"]
     store = Path(cfg.run.storage_path).expanduser().resolve() / DEFAULT_STORE_NAME
     return f"sqlite:///{store}"

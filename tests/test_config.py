@@ -158,3 +158,16 @@ def test_local_paths_become_absolute_and_uris_stay(tmp_path, monkeypatch):
     assert cfg.data.train == str(tmp_path / "vitsweep-runs/data/digits_32_train.beton")
     assert cfg.run.storage_path == str(tmp_path / "vitsweep-runs")
     assert cfg.data.val == "s3://bucket/val.beton"
+
+
+def test_a_tracking_uri_with_a_password_is_rejected_without_echoing_the_password():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["tracking.mlflow_uri=https://alice:s3cret@mlflow.example.com"])
+    message = str(err.value)
+    assert "tracking.mlflow_uri" in message and "MLFLOW_TRACKING_PASSWORD" in message
+    assert "s3cret" not in message
+
+
+def test_a_tracking_uri_with_only_a_user_name_is_accepted():
+    cfg = load_config("default", ["tracking.mlflow_uri=https://alice@mlflow.example.com"])
+    assert cfg.tracking.mlflow_uri == "https://alice@mlflow.example.com"

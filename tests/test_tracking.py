@@ -1,11 +1,22 @@
-"""MLflow helpers: the final model is logged without leaking a tracking URI into the process."""
+"""MLflow helpers: the final model is logged without leaking a tracking URI into the process; a URI
+never carries a password into params or output."""
 import os
 
 import mlflow
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipeline.tracking import experiment_id, local_artifact_root, log_trained_model
+from pipeline.config import load_config
+from pipeline.errors import InvalidInputError
+from pipeline.tracking import experiment_id, local_artifact_root, log_trained_model, resolve_tracking_uri
+
+
+def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example.com")
+    with pytest.raises(InvalidInputError) as err:
+        resolve_tracking_uri(load_config("default"))
+    assert "MLFLOW_TRACKING_PASSWORD" in str(err.value) and "s3cret" not in str(err.value)
 
 
 def test_experiments_of_a_local_store_keep_their_artifacts_beside_it(tmp_path):
