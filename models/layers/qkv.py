@@ -223,8 +223,9 @@ class FullySharedNonLinearQKV(nn.Module):
 class ArmourQKV(nn.Module):
     """Armour: W_Q = W_V, so attention is softmax(QKᵀ/√d)·Q (paper 002 Eq. 2).
 
-    Projects to [q | k] with one ``dim -> 2 dim`` Linear and emits [q | k | q], so timm's attention uses Q as
-    its values unchanged. ``value_is_query`` and ``forward_qkv`` (whose v *is* q) make that checkable.
+    Projects to [q | k] with one ``dim -> 2 dim`` Linear and emits [q | k | q], so any timm attention uses Q as
+    its values unchanged; ``ArmourAttention`` / ``ArmourXCA`` call ``forward_qkv`` (whose v *is* q) and skip
+    that copy. ``value_is_query`` and ``forward_qkv`` make it checkable.
 
     Args:
         dim: token dim d.
