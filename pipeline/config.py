@@ -227,8 +227,14 @@ SECRET_VALUE_ERROR = "secret_value"
 
 
 def uri_password_problem(uri: str) -> str | None:
-    """Why ``uri`` cannot be used as given when it carries a password (``user:password@host``), else None."""
-    if urlsplit(uri).password is None:
+    """Why ``uri`` cannot be used as given (malformed, or carries a password: ``user:password@host``), else None.
+
+    Never quotes the part before ``@``, where a password would be."""
+    try:
+        password = urlsplit(uri).password
+    except ValueError:
+        return f"is not a valid URI ({uri.partition('@')[2] or 'malformed host'})"
+    if password is None:
         return None
     return ("embeds a password (user:password@host), which would be logged as an MLflow param, saved in "
             "config.yaml and printed; give the URI without it and set MLFLOW_TRACKING_USERNAME and "

@@ -42,3 +42,9 @@ def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(t
     assert mlflow.get_tracking_uri() == "sqlite:///elsewhere.db"  # no global left behind either
     assert [a.path for a in client.list_artifacts(run_id)] == ["model.safetensors"]
     assert client.get_run(run_id).outputs.model_outputs  # the mlflow.pytorch model
+
+
+def test_a_malformed_mlflow_tracking_uri_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://[::1:5000")
+    with pytest.raises(InvalidInputError, match="MLFLOW_TRACKING_URI is not a valid URI"):
+        resolve_tracking_uri(load_config("default"))
