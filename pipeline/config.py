@@ -270,6 +270,9 @@ class RunConfig(_Section):
     num_to_keep: int = Field(2, ge=1)
     checkpoint_score: str = "val_top1"
     max_failures: int = Field(0, ge=-1)  # -1: retry forever
+    # Steps between the loss's all-reduce (its divergence check and the progress line): syncing the
+    # host with the device every step would stall the GPU.
+    log_every_steps: int = Field(20, ge=1)
 
 
 class TuneConfig(_Section):

@@ -1,4 +1,6 @@
-"""Error types the CLI maps to exit codes: bad input exits 2, anything else at run time exits 1."""
+"""Error types the CLI maps to exit codes: bad input exits 2, a failed run 1, a signal 128 + its number."""
+import signal
+
 
 
 class InvalidInputError(ValueError):
@@ -7,3 +9,19 @@ class InvalidInputError(ValueError):
 
 class ConfigError(InvalidInputError):
     """The experiment config failed validation; the message names each offending key and value."""
+
+
+class RunFailed(RuntimeError):
+    """A run failed at run time; its MLflow run is FAILED, and the message is the one-line reason."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver; the run is recorded KILLED."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name, self.exit_code = signal.Signals(signum).name, 128 + signum
+
+
+class AlreadyFinished(Exception):
+    """A run asked for again, with the same config, has finished already: nothing to do (exit 0)."""

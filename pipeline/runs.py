@@ -12,15 +12,23 @@ One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
 """
 from __future__ import annotations
 
+import os
 import platform
+import shutil
+import signal
 import subprocess
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import ray
 import yaml
+from mlflow.exceptions import MlflowException
 from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from safetensors.torch import load_model
@@ -34,14 +42,16 @@ from pipeline.data.integrity import check_beton
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.data.staging import read_location_sidecar
 from pipeline.distillation import build_teacher
+from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
-from pipeline.errors import InvalidInputError
+from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.modeling import build_model
-from pipeline.tracking import MLflowEpochLogger, MlflowRun, check_logger_can_reach, require_reachable, resolve_tracking_uri
+from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
+                               read_run_record, require_reachable, resolve_tracking_uri, run_origin)
 from pipeline.worker import WorkerPlan, train_worker
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailed):
     """The loss became NaN/inf; the run stopped and is recorded FAILED."""
 
 
@@ -50,6 +60,8 @@ class ResolvedData:
     train: str
     val: str
     num_classes: int
+    train_sha256: str = ""  # from the sidecars: MLflow's dataset digests
+    val_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class TrainingOutcome:
     run_name: str
     run_dir: Path
     tracking_uri: str
+    experiment_id: str
     mlflow_run_id: str
     metrics: dict[str, Any]
 
@@ -121,12 +134,36 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
             f"data.train has {sidecars['train'].num_classes} classes but data.val has "
             f"{sidecars['val'].num_classes}; they must come from the same dataset"
         )
-    return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes)
+    return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes,
+                        sidecars["train"].sha256, sidecars["val"].sha256)
+
+
+CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
+
+
+def unregistered_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories Ray Train never registered (a driver or disk that died mid-report):
+    a resume would never pick them, and they would outlive ``run.num_to_keep``."""
+    found = sorted(path for path in run_dir.glob("checkpoint_*") if path.is_dir())  # not Ray's snapshot file
+    if not found or not (run_dir / CHECKPOINT_SNAPSHOT).exists():
+        return found
+    result = Result.from_path(str(run_dir))
+    registered = {Path(checkpoint.path).resolve() for checkpoint, _ in result.best_checkpoints or []}
+    if result.checkpoint is not None:
+        registered.add(Path(result.checkpoint.path).resolve())
+    return [path for path in found if path.resolve() not in registered]
+
+
+def remove_unregistered_checkpoints(run: CheckedRun) -> None:
+    if uris.is_uri(run.storage) or not run.run_dir.is_dir():
+        return
+    for path in unregistered_checkpoints(run.run_dir):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
     """A run restarted under the same name resumes its latest checkpoint: it must be this model's."""
-    if not (run_dir / "checkpoint_manager_snapshot.json").exists():
+    if not (run_dir / CHECKPOINT_SNAPSHOT).exists():
         return
     checkpoint = Result.from_path(str(run_dir)).checkpoint
     if checkpoint is not None:
@@ -134,8 +171,41 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> N
             check_same_model(read_meta(directory), model_identity(cfg.model, num_classes), directory)
 
 
+def check_rerun(run_dir: Path, cfg: ExperimentConfig, tracking_uri: str) -> None:
+    """A run name stands for one config: a second run under it with another config is refused naming
+    the keys, and a finished run is not trained again (``AlreadyFinished``)."""
+    record = read_run_record(run_dir)
+    if record is None or record["tracking_uri"] != tracking_uri:
+        return
+    try:
+        earlier = MlflowStore(tracking_uri).client.get_run(record["run_id"])
+    except MlflowException:  # deleted from the store: nothing to contradict
+        return
+    logged = earlier.data.params
+    changed = [f"{key}: {logged[key]} -> {value}" for key, value in cfg.flat().items()
+               if key in logged and logged[key] != str(value)]
+    finished = earlier.info.status == "FINISHED"
+    if changed:
+        raise InvalidInputError(
+            f"run {cfg.run.name!r} ({run_dir}) was {'trained' if finished else 'started'} with another config: "
+            f"{'; '.join(changed)}. Give this one a new run.name (or none: a unique name is chosen)"
+            + ("" if finished else ", or resume it with its own config")
+        )
+    if finished:
+        final = {key: earlier.data.metrics[key] for key in ("val_top1", "val_top5") if key in earlier.data.metrics}
+        raise AlreadyFinished(
+            f"run {cfg.run.name!r} already finished with this config ({', '.join(f'{k} {v:.2f}%' for k, v in final.items())}"
+            f"): {run_dir}, MLflow run {earlier.info.run_id} in {tracking_uri}; nothing to train. Give run.name "
+            "another value (or none) to train again"
+        )
+
+
 def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
-    """Everything that can be checked before any worker starts (InvalidInputError / ConfigError)."""
+    """Everything that can be checked before any worker starts (InvalidInputError / ConfigError).
+
+    Writes nothing but a dataset the config asks to prepare; the MLflow store is only opened
+    (a new local store's schema created) so that opening the run later is quick.
+    """
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
     facts = ModelFacts.measure(cfg.model, data.num_classes)
@@ -143,11 +213,35 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
         build_teacher(cfg.distill, data.num_classes)  # its checkpoint must fit before any worker loads it
     storage = cfg.run.storage_path
     run_name = cfg.run.name or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
     tracking_uri = resolve_tracking_uri(cfg)
     check_logger_can_reach(tracking_uri, address)
     require_reachable(tracking_uri)
+    check_rerun(Path(storage) / run_name, cfg, tracking_uri)
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
+    MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
     return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri)
+
+
+def check_resources(cfg: ExperimentConfig, local: bool) -> None:
+    """The workers must fit the Ray cluster: a local Ray that is too small is bad input; a cluster
+    may grow (autoscaler), so the wait for it is announced and bounded by Ray Train's start timeout."""
+    scaling = cfg.scaling
+    need = {"CPU": scaling.num_workers * scaling.cpus_per_worker,
+            "GPU": scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0.0}
+    have = ray.cluster_resources()
+    short = {kind: (amount, have.get(kind, 0.0)) for kind, amount in need.items() if amount > have.get(kind, 0.0)}
+    if not short:
+        return
+    wanted = ", ".join(f"{amount:g} {kind}s (the cluster has {available:g})" for kind, (amount, available) in short.items())
+    if local:
+        raise InvalidInputError(
+            f"scaling.num_workers={scaling.num_workers} workers need {wanted} on this machine's local Ray; lower "
+            "scaling.num_workers or scaling.cpus_per_worker / gpus_per_worker, or join a cluster with --address"
+        )
+    timeout = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60")
+    active_console().line(f"waiting for the cluster to grow: the workers need {wanted}; Ray Train gives up after "
+                          f"{timeout} s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)")
 
 
 def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
@@ -168,7 +262,20 @@ def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
     }
 
 
-def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None) -> MlflowRun:
+def describe_run(run: CheckedRun) -> str:
+    """The run's MLflow description: what was trained, on what, how."""
+    cfg, facts = run.cfg, run.facts
+    paper = f", paper {facts.paper}" if facts.paper else ""
+    workers = f"{cfg.scaling.num_workers} {'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s)"
+    return (f"**{cfg.model.name}** ({facts.family}{paper}{', ' + str(cfg.model.args) if cfg.model.args else ''}): "
+            f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px. "
+            f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
+            f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
+            f"{cfg.deepspeed.precision}, AdamW lr {cfg.optim.lr:g}, global batch "
+            f"{cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * cfg.scaling.num_workers}.")
+
+
+def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
     """The run's MLflow run with its setup logged: ``tracking`` (a sweep trial's, already keyed by
     its trial id), else the one recorded in the run directory (a restart), else a new one."""
     cfg = run.cfg
@@ -182,18 +289,25 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None) -> MlflowR
             "model_summary.txt": run.facts.summary,
         },
         facts=run.facts.as_params(),
-        tags=environment_tags(cfg),
+        tags={**environment_tags(cfg), **run_origin(describe_run(run), source or command_line())},
     )
+    if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
+        tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
+                               "validation": (run.data.val, run.data.val_sha256)})
     return tracking
 
 
-def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = ()) -> TorchTrainer:
-    """The Ray Train TorchTrainer of one run; ``callbacks`` adds e.g. Tune's report callback."""
+def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = (),
+                  announce: bool = True) -> TorchTrainer:
+    """The Ray Train TorchTrainer of one run; ``callbacks`` adds e.g. Tune's report callback;
+    ``announce``: epoch and progress lines on the console (a sweep shows its own table instead)."""
     cfg = run.cfg
     score = cfg.run.checkpoint_score
+    plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
+                      announce)
     return TorchTrainer(
         train_worker,
-        train_loop_config=WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at).as_dict(),
+        train_loop_config=plan.as_dict(),
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
@@ -211,41 +325,100 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
                 checkpoint_score_attribute=score,
                 checkpoint_score_order="min" if score.endswith("loss") else "max",
             ),
-            callbacks=[MLflowEpochLogger(tracking, cfg.optim.epochs), *callbacks],
+            callbacks=[MLflowEpochLogger(tracking, cfg.optim.epochs, announce), *callbacks],
             worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},
         ),
     )
 
 
+def fit_interruptibly(trainer: TorchTrainer) -> Result:
+    """``trainer.fit()`` on a thread, while the main thread turns SIGINT and SIGTERM into ``Interrupted``.
+
+    Ray Train's own SIGINT handler (main thread only) would abort the run into an anonymous actor
+    error, and Ray's SIGTERM handler exits with a stack dump; here either signal ends the run KILLED.
+    """
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # noqa: BLE001  (re-raised in the main thread below)
+            outcome["error"] = err
+
+    def interrupt(signum: int, frame) -> None:
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        fitting = threading.Thread(target=fit, name="vitsweep-fit", daemon=True)
+        fitting.start()
+        while fitting.is_alive():
+            fitting.join(0.2)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def error_line(err: BaseException) -> str:
+    """The last line of an error, as a worker's traceback ends (Ray wraps worker errors in several layers)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:300]
+
+
+def end_run(tracking: MlflowRun, status: str, reason: str) -> None:
+    """The run's final status with its one-line reason (tag ``stop_reason``); a store that cannot be
+    written any more (a full disk) is reported, not raised over the run's own error."""
+    try:
+        tracking.end(status, reason)
+    except Exception as err:  # noqa: BLE001
+        print(f"vitsweep: could not record {status} ({reason}) in MLflow run {tracking.run_id}: {error_line(err)}",
+              file=sys.stderr, flush=True)
+
+
 def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, record_failure: bool = True) -> Result:
-    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
+    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED, with its reason.
 
     ``record_failure=False`` leaves a run whose ``fit()`` raised RUNNING for the caller to record:
     a sweep trial may have been stopped on purpose by its scheduler, which only the sweep knows.
     """
+    remove_unregistered_checkpoints(run)
     try:
-        result = trainer.fit()
+        if threading.current_thread() is threading.main_thread():
+            result = fit_interruptibly(trainer)
+        else:  # a sweep trial: Tune owns the signals
+            result = trainer.fit()
+    except Interrupted as stop:
+        end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
+        raise
     except KeyboardInterrupt:
-        tracking.finish("KILLED")
+        end_run(tracking, "KILLED", "interrupted")
         raise
-    except BaseException:
-        if record_failure:
-            tracking.finish("FAILED")
-        raise
+    except BaseException as err:
+        if not record_failure:
+            raise
+        remove_unregistered_checkpoints(run)  # also frees the space a full disk needs to record the failure
+        active_console().library("".join(traceback.format_exception(err)))
+        reason = f"error: {error_line(err)}"
+        end_run(tracking, "FAILED", reason)
+        raise RunFailed(f"{reason}; MLflow run {tracking.run_id} marked FAILED") from err
     divergence = tracking.diverged_at()
     if divergence:
-        tracking.finish("FAILED")
+        end_run(tracking, "FAILED", f"diverged: loss diverged at {divergence}")
         raise TrainingDiverged(f"loss diverged at {divergence}; MLflow run {tracking.run_id} marked FAILED")
-    log_final_model(run, result.checkpoint, tracking)
-    tracking.finish("FINISHED")
+    log_final_model(run, result, tracking)
+    end_run(tracking, "FINISHED", "completed")
     return result
 
 
-def log_final_model(run: CheckedRun, checkpoint, tracking: MlflowRun) -> None:
-    with checkpoint.as_directory() as directory:
+def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> None:
+    with result.checkpoint.as_directory() as directory:
         model = build_model(run.cfg.model, run.data.num_classes)
         load_model(model, str(Path(directory) / WEIGHTS_FILE))
-        tracking.log_model(model, Path(directory) / WEIGHTS_FILE, run.cfg.model.img_size)
+        tracking.log_model(model, Path(directory) / WEIGHTS_FILE, run.cfg.model.img_size,
+                           step=int(result.metrics.get("epoch", run.cfg.optim.epochs)))
         if (Path(directory) / EMA_WEIGHTS_FILE).exists():
             tracking.log_artifact(Path(directory) / EMA_WEIGHTS_FILE)
 
@@ -253,4 +426,5 @@ def log_final_model(run: CheckedRun, checkpoint, tracking: MlflowRun) -> None:
 def launch(run: CheckedRun, tracking: MlflowRun, launched_at: float) -> TrainingOutcome:
     """Train a checked run whose MLflow run is open: build the trainer, fit, record."""
     result = fit_and_record(build_trainer(run, tracking, launched_at), run, tracking)
-    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, tracking.run_id, dict(result.metrics))
+    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, tracking.get().info.experiment_id,
+                           tracking.run_id, dict(result.metrics))

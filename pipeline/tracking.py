@@ -8,12 +8,16 @@ read through ``MlflowStore``. The store itself is resolved and checked here befo
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
+import logging
 import os
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +25,24 @@ from typing import Any
 import mlflow
 import mlflow.pytorch
 import numpy as np
-from mlflow.entities import Metric, Param, Run, RunTag
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, Run, RunTag
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from pipeline.config import ExperimentConfig, uri_password_problem
+from pipeline.console import say
 from pipeline.errors import InvalidInputError
 from pipeline.metrics import DIVERGED_KEY
 
 DEFAULT_STORE_NAME = "mlflow.db"
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
 DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
+# Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
+# early_stopped: ... for trials their scheduler stopped.
+STOP_REASON_TAG = "stop_reason"
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
@@ -106,6 +117,53 @@ def check_logger_can_reach(uri: str, ray_address: str | None) -> None:
         )
 
 
+SAVED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow 3.17 UI: an experiment tag per saved runs-table view
+
+
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str | None:
+    """The MLflow UI page of a run, or of an experiment's runs table (``view``: a saved view), on a
+    server store; None for a local store (its UI is `mlflow ui` on this machine, address unknown).
+
+    ``workflowType=machine_learning``: MLflow 3.17 opens experiments in its GenAI view otherwise.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return local_ui_link(uri.rstrip("/"), experiment_id, run_id, view)
+
+
+def local_ui_link(base: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
+    if run_id:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    shown = f"viewStateShareKey={view}&" if view else ""
+    return f"{base}/#/experiments/{experiment_id}/runs?{shown}workflowType=machine_learning"
+
+
+def where_to_look(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
+    """The console's lines saying where a run or sweep is in the MLflow UI."""
+    link = ui_link(uri, experiment_id, run_id, view)
+    if link:
+        return f"  MLflow UI: {link}"
+    return (f"  see it with: mlflow ui --backend-store-uri {uri}\n"
+            f"  then open: {local_ui_link('http://127.0.0.1:5000', experiment_id, run_id, view)}")
+
+
+def command_line() -> str:
+    """The command this process runs, as the UI's Source shows it."""
+    return " ".join(["vitsweep", *sys.argv[1:]]) if Path(sys.argv[0]).name in ("vitsweep", "__main__.py") else "vitsweep"
+
+
+def run_origin(description: str, source: str) -> dict[str, str]:
+    """Tags the UI shows as the run's Description, Created by and Source."""
+    return {"mlflow.note.content": description, "mlflow.user": getpass.getuser(), "mlflow.source.name": source,
+            "mlflow.source.type": "LOCAL"}
+
+
+def read_run_record(run_dir: Path) -> dict[str, str] | None:
+    """Which MLflow run a run directory belongs to (written when its MLflow run was created)."""
+    record = run_dir / RUN_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
 class MlflowStore:
     """One MLflow store: its experiments and the runs in them (reading; runs are written by ``MlflowRun``)."""
 
@@ -138,6 +196,15 @@ class MlflowStore:
     def run(self, run_id: str) -> MlflowRun:
         return MlflowRun(self.uri, run_id, self.client)
 
+    def save_view(self, experiment_id: str, key: str, name: str, columns: list[str], order_by: str,
+                  search_filter: str = "") -> None:
+        """A saved runs-table view (columns, order, filter) the UI opens with ``viewStateShareKey=key``."""
+        now = int(time.time() * 1000)
+        state = {"selectedColumns": columns, "orderByKey": order_by, "orderByAsc": False,
+                 "searchFilter": search_filter}
+        self.client.set_experiment_tag(experiment_id, SAVED_VIEW_TAG + key, json.dumps(
+            {"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+
 
 class MlflowRun:
     """One MLflow run: every write to it, and what is read back from it."""
@@ -150,16 +217,15 @@ class MlflowRun:
     def open_or_continue(cls, uri: str, experiment: str, run_dir: Path, run_name: str,
                          tags: dict[str, str] | None = None) -> MlflowRun:
         """The MLflow run of this training run: the recorded one when the run restarts, else a new run."""
-        record = run_dir / RUN_RECORD
-        if record.is_file():
-            saved = json.loads(record.read_text())
-            if saved["tracking_uri"] == uri:
-                run = cls(uri, saved["run_id"])
-                run.set_running()
-                return run
+        saved = read_run_record(run_dir)
+        if saved is not None and saved["tracking_uri"] == uri:
+            run = cls(uri, saved["run_id"])
+            run.set_running()
+            return run
         run = MlflowStore(uri).create_run(experiment, run_name, tags)
         run_dir.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"tracking_uri": uri, "run_id": run.run_id, "experiment": experiment}))
+        (run_dir / RUN_RECORD).write_text(json.dumps({"tracking_uri": uri, "run_id": run.run_id,
+                                                       "experiment": experiment}))
         return run
 
     # -- reading --------------------------------------------------------------------------------
@@ -218,9 +284,10 @@ class MlflowRun:
         self.log_texts(files)
 
     def log_epoch(self, reported: dict[str, Any]) -> None:
-        """A worker's epoch report, one MLflow step per epoch."""
-        self.log_metrics({key: value for key, value in reported.items()
-                          if key != "epoch" and isinstance(value, (int, float))}, step=int(reported["epoch"]))
+        """A worker's epoch report, one MLflow step per epoch (epochs count from 1 everywhere)."""
+        epoch = int(reported["epoch"])
+        metrics = {key: value for key, value in reported.items() if key != "epoch" and isinstance(value, (int, float))}
+        self.log_metrics({**metrics, "epochs_trained": epoch}, step=epoch)
 
     def mark_diverged(self, where: str) -> None:
         self.client.set_tag(self.run_id, DIVERGED_TAG, where)
@@ -232,13 +299,46 @@ class MlflowRun:
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
 
-    def log_model(self, model, weights: Path, img_size: int) -> None:
-        """The final weights as safetensors, and the model via mlflow.pytorch (``load_model`` restores it)."""
+    def end(self, status: str, reason: str) -> None:
+        """FINISHED, FAILED or KILLED, with the one-line reason as the ``stop_reason`` tag."""
+        self.set_tags({STOP_REASON_TAG: reason})
+        self.finish(status)
+
+    def log_model(self, model, weights: Path, img_size: int, step: int) -> None:
+        """The final weights as safetensors, and the model via mlflow.pytorch (``load_model`` restores it),
+        linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's)."""
         self.log_artifact(weights)
         example = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
         with _fluent_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id):
             # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
-            mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle")
+            mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle",
+                                     step=step)
+
+    def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
+        """MLflow dataset inputs: context ("training", "validation") -> (location, SHA-256 of the file).
+
+        MLflow caps a digest at 36 characters: the digest is the hash's prefix, the whole hash a tag.
+        """
+        inputs = []
+        for context, (location, sha256) in datasets.items():
+            with warnings.catch_warnings():  # a local path matches several source types; any of them names it
+                warnings.simplefilter("ignore", UserWarning)
+                source = resolve_dataset_source(location)
+            dataset = MetaDataset(source, name=Path(location).name, digest=sha256[:32])
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(),
+                                       [InputTag("mlflow.data.context", context), InputTag("sha256", sha256)]))
+        self.client.log_inputs(self.run_id, datasets=inputs)
+
+    def monitor_system(self, node_id: str, interval_s: float = 10.0):
+        """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
+        System metrics tab until the run ends; ``None`` where the store cannot be reached from this node."""
+        if self.uri.startswith("sqlite:///") and not Path(self.uri.removeprefix("sqlite:///")).exists():
+            return None  # a local store of another node
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, node_id=node_id,
+                                       tracking_uri=self.uri)
+        monitor.start()
+        return monitor
 
 
 @contextlib.contextmanager
@@ -262,23 +362,24 @@ class MLflowEpochLogger(UserCallback):
     Workers report already all-reduced metrics, so rank 0's dict is the run's.
     """
 
-    def __init__(self, run: MlflowRun, epochs: int):
-        self.run, self.epochs = run, epochs
+    def __init__(self, run: MlflowRun, epochs: int, announce: bool = True):
+        """``announce``: print the epoch line on the console (a sweep shows its own table instead)."""
+        self.run, self.epochs, self.announce = run, epochs, announce
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         reported = metrics[0]
+        show = say if self.announce else print  # print: to the log file only
         if reported.get(DIVERGED_KEY):
             where = f"epoch {int(reported['epoch'])} step {int(reported['step'])}"
             self.run.mark_diverged(where)
-            print(f"loss diverged at {where}: stopping", flush=True)
+            show(f"loss diverged at {where}: stopping")
             return
         self.run.log_epoch(reported)
-        print(
-            f"epoch {int(reported['epoch']) + 1}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
+        show(
+            f"epoch {int(reported['epoch'])}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
             f"val_loss {reported['val_loss']:.4f}  val_top1 {reported['val_top1']:.2f}%  "
             f"val_top5 {reported['val_top5']:.2f}%  lr {reported['lr']:.2e}  "
             f"{reported['images_per_sec']:.0f} img/s  {reported['epoch_time_s']:.1f}s"
             + ("  (checkpoint saved)" if checkpoint is not None else "")
-            + ("  (resumed from a checkpoint)" if "resumed_at_epoch" in reported else ""),
-            flush=True,
+            + ("  (resumed from a checkpoint)" if "resumed_at_epoch" in reported else "")
         )

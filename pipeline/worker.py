@@ -8,8 +8,9 @@ The details live in the components it calls.
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from pipeline.checkpointing import (load_checkpoint, model_identity, save_checkpoint, save_final_weights,
                                     use_weights_only_loading)
 from pipeline.config import ExperimentConfig
+from pipeline.console import say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
@@ -40,9 +42,12 @@ class WorkerPlan:
     config: dict[str, Any]
     num_classes: int
     launched_at: float  # driver's time.time() at `vitsweep train` start, for time-to-first-step
+    tracking_uri: str  # the run's MLflow store and run: each node's system metrics go there
+    mlflow_run_id: str
+    announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "num_classes": self.num_classes, "launched_at": self.launched_at}
+        return asdict(self)
 
 
 def train_worker(plan: dict[str, Any]) -> None:
@@ -52,7 +57,7 @@ def train_worker(plan: dict[str, Any]) -> None:
 
 @dataclass
 class EpochStats:
-    loss_sum: float = 0.0  # the global (all-rank mean) loss, summed over steps
+    loss_sum: float = 0.0  # the global (all-rank mean) loss, summed over the steps synced so far
     steps: int = 0
     samples: int = 0  # over all ranks
     seconds: float = 0.0
@@ -60,6 +65,11 @@ class EpochStats:
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / max(self.steps, 1)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
 
 
 class LossDiverged(Exception):
@@ -89,6 +99,8 @@ class Trainer:
         self.device = ray.train.torch.get_device()
         torch.manual_seed(cfg.run.seed + self.rank)
         quiet_numba_finalizers()
+        if context.get_local_rank() == 0:  # one monitor per node, on its own thread: MLflow imports slowly
+            threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),), daemon=True).start()
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
@@ -127,47 +139,71 @@ class Trainer:
                                                    rank=self.rank, ema=self.ema)
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
+    def _monitor_node(self, node_rank: int) -> None:
+        from pipeline.tracking import MlflowRun
+
+        MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+
     def fit(self) -> None:
         self.setup()
+        # Epochs count from 1 in everything a person sees (console, MLflow steps, Tune, resumed_at_epoch);
+        # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
             started = time.perf_counter()
             try:
-                stats = self.train_epoch()
+                stats = self.train_epoch(epoch)
             except LossDiverged as diverged:
-                ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch, "step": diverged.step, "rank": self.rank})
+                ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch + 1, "step": diverged.step, "rank": self.rank})
                 return  # no retry: the run is recorded FAILED
-            metrics = {"epoch": epoch, "train_loss": stats.mean_loss, "lr": self.engine.get_lr()[0],
+            metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": self.engine.get_lr()[0],
                        "images_per_sec": stats.samples / stats.seconds, **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
             self.end_epoch(epoch, metrics)
 
-    def train_epoch(self) -> EpochStats:
+    def train_epoch(self, epoch: int) -> EpochStats:
         self.engine.train()
         stats = EpochStats()
         started = time.perf_counter()
+        steps = len(self.train_loader)
+        unsynced = torch.zeros((), device=self.device)  # losses of the steps since the last sync, on the device
         for step, (images, labels) in enumerate(self.train_loader):
-            global_loss = self.train_step(images, labels)
-            if not torch.isfinite(global_loss):
-                raise LossDiverged(step)
+            unsynced += self.train_step(images, labels)
             if self.time_to_first_step is None:
                 self.time_to_first_step = time.time() - self.plan.launched_at
-            stats.loss_sum += global_loss.item() / self.world_size
             stats.steps += 1
             stats.samples += len(labels) * self.world_size
+            if (step + 1) % self.cfg.run.log_every_steps == 0 or step + 1 == steps:
+                stats.loss_sum += self.sync_loss(unsynced, step)
+                unsynced.zero_()
+                self.show_progress(epoch, step + 1, steps, stats, time.perf_counter() - started)
         stats.seconds = time.perf_counter() - started
         return stats
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward, backward, optimizer step (at accumulation boundaries), EMA; returns the loss summed over ranks."""
+        """Forward, backward, optimizer step (at accumulation boundaries), EMA; returns this rank's loss."""
         images, targets = self.augment(images, labels)
         loss = self.loss(self.engine(images.to(self.input_dtype)), targets, images)
         self.engine.backward(loss)
         self.engine.step()
         if self.ema is not None and self.engine.is_gradient_accumulation_boundary():
             self.ema.update(self.engine.module, step=self.engine.global_steps)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)  # one collective: the global loss, and NaN/inf on any rank
-        return global_loss
+        return loss.detach().float()
+
+    def sync_loss(self, unsynced: torch.Tensor, step: int) -> float:
+        """The global loss summed over the steps since the last sync (mean over ranks); one collective,
+        which also carries a NaN/inf from any rank to all of them, so every rank stops together."""
+        total = unsynced.clone()
+        dist.all_reduce(total)
+        if not torch.isfinite(total):
+            raise LossDiverged(step)
+        return total.item() / self.world_size
+
+    def show_progress(self, epoch: int, done: int, steps: int, stats: EpochStats, seconds: float) -> None:
+        if self.rank != 0 or not self.plan.announce:
+            return
+        eta = seconds / done * (steps - done)
+        say_progress(f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  loss {stats.mean_loss:.4f}  "
+                     f"{stats.samples / max(seconds, 1e-9):.0f} img/s  eta {_duration(eta)}")
 
     def evaluate(self) -> dict[str, float]:
         metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
@@ -181,7 +217,7 @@ class Trainer:
         if epoch == self.start_epoch == 0:
             metrics["time_to_first_step_s"] = self.time_to_first_step
         elif epoch == self.start_epoch:  # a restart: MLflow shows where the run picked up its checkpoint
-            metrics["resumed_at_epoch"] = self.start_epoch
+            metrics["resumed_at_epoch"] = epoch + 1
         last = epoch == self.cfg.optim.epochs - 1
         if (epoch + 1) % self.cfg.run.checkpoint_every and not last:
             ray.train.report(metrics)

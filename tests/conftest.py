@@ -8,6 +8,8 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,58 @@ def train_command(storage: Path, data: dict[str, Path], *overrides: str, config:
 
 def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=vitsweep_env(), timeout=timeout)
+
+
+def wait_for(condition, timeout: float, what: str):
+    """Poll ``condition`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class RunningVitsweep:
+    """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
+
+    def __init__(self, args: list[str]):
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=vitsweep_env())
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._collect, daemon=True)
+        self._reader.start()
+
+    def _collect(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, text: str, timeout: float = 300) -> None:
+        wait_for(lambda: any(text in line for line in self.lines), timeout, f"a line with {text!r}")
+
+    def train_workers(self) -> list:
+        """This run's Ray Train workers: descendants of the driver (which started Ray in-process)."""
+        import psutil
+
+        workers = []
+        for process in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if " ".join(process.cmdline()).startswith("ray::RayTrainWorker"):
+                    workers.append(process)
+            except psutil.NoSuchProcess:
+                continue
+        return workers
+
+    def finish(self, timeout: float = 600) -> int:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        self._reader.join(timeout=10)
+        return self.process.returncode

@@ -192,7 +192,7 @@ def test_training_spreads_over_both_nodes_each_staging_the_dataset_once_into_its
     client, run = only_mlflow_run(storage)
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1]
 
 
 def test_losing_a_node_mid_run_restarts_the_group_on_a_new_node_and_the_mlflow_run_continues(
@@ -214,4 +214,4 @@ def test_losing_a_node_mid_run_restarts_the_group_on_a_new_node_and_the_mlflow_r
     client, run = only_mlflow_run(storage)
     assert run.info.status == "FINISHED"
     epochs = sorted({m.step for m in client.get_metric_history(run.info.run_id, "val_top1")})
-    assert epochs == [0, 1, 2]
+    assert epochs == [1, 2, 3]

@@ -34,7 +34,7 @@ def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(t
     weights.write_bytes(b"weights")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
 
-    run.log_model(model, weights, img_size=4)
+    run.log_model(model, weights, img_size=4, step=1)
 
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")

@@ -1,4 +1,6 @@
 """`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
+import re
+
 import mlflow
 import mlflow.pytorch
 import pytest
@@ -41,8 +43,64 @@ def two_epoch_run(request, tmp_path_factory, digits16):
 
 def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
     storage, result = two_epoch_run
-    assert "epoch 1/2" in result.stdout and "epoch 2/2" in result.stdout
+    assert "epoch 1/2  train_loss" in result.stdout and "epoch 2/2  train_loss" in result.stdout
+    assert re.search(r"^epoch 1/2  step \d+/\d+  loss [\d.]+  \d+ img/s  eta \d+:\d\d$", result.stdout, re.M)
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout and "mlflow ui" in result.stdout
+    assert "workflowType=machine_learning" in result.stdout  # the UI link opens the runs view, not GenAI
+
+
+LIBRARY_NOISE = ("TrainingReport(", "Checkpoint successfully created", "built successfully", "No CUDA runtime",
+                 "PreemptionWatcher", "core_worker", "TensorBoard", "Token authentication", "\x1b[")
+
+
+def test_the_console_carries_only_vitsweeps_own_lines_and_the_log_file_the_rest(two_epoch_run):
+    storage, result = two_epoch_run
+    console = result.stdout + result.stderr
+    assert not [noise for noise in LIBRARY_NOISE if noise in console], console[-3000:]
+    assert all(line.startswith(("training e2e", "epoch ", "finished e2e", "  ")) or not line.strip()
+               for line in result.stdout.splitlines()), result.stdout
+    log = (storage / "e2e" / "vitsweep.log").read_text()
+    assert f"library output in {storage / 'e2e' / 'vitsweep.log'}" in result.stdout
+    assert "TrainController" in log and "Token authentication" in log
+
+
+def test_a_finished_run_asked_for_again_is_not_retrained(two_epoch_run):
+    storage, first = two_epoch_run
+    again = run_vitsweep(first.args, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already finished with this config" in again.stdout and str(storage / "e2e") in again.stdout
+    client, run = _only_run(storage)
+    assert len(client.get_metric_history(run.info.run_id, "val_top1")) == 2  # nothing trained again
+    assert len(run.outputs.model_outputs) == 1
+
+
+def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run):
+    storage, first = two_epoch_run
+    result = run_vitsweep([*first.args, "--set", "optim.lr=3e-3"], timeout=300)
+    assert result.returncode == 2
+    assert "was trained with another config: optim.lr: 0.002 -> 0.003" in result.stderr
+    _, run = _only_run(storage)
+    assert run.data.params["optim.lr"] == "0.002" and run.info.status == "FINISHED"
+
+
+def test_the_mlflow_run_reads_well_in_the_ui(two_epoch_run):
+    client, run = _only_run(two_epoch_run[0])
+    tags = run.data.tags
+    assert "xcit_nano_12_p8" in tags["mlflow.note.content"] and tags["mlflow.user"]
+    assert tags["mlflow.source.name"].startswith("vitsweep train --config smoke")
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "epochs_trained")] == [1, 2]
+    contexts = {i.dataset.name: dict((t.key, t.value) for t in i.tags) for i in run.inputs.dataset_inputs}
+    assert sorted(c["mlflow.data.context"] for c in contexts.values()) == ["training", "validation"]
+    assert all(len(c["sha256"]) == 64 for c in contexts.values())
+    assert any(key.startswith("system/node0/cpu_utilization") for key in run.data.metrics)
+
+
+def test_the_logged_model_carries_the_final_epochs_metrics(two_epoch_run):
+    client, run = _only_run(two_epoch_run[0])
+    (output,) = run.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    val_top1 = {m.step: m.value for m in model.metrics if m.key == "val_top1"}
+    assert val_top1 == {2: run.data.metrics["val_top1"]}
 
 
 def test_a_run_asked_to_prepare_its_dataset_writes_it_before_training(two_epoch_run, request):
@@ -73,7 +131,7 @@ def test_mlflow_run_holds_every_config_value_as_a_dotted_param(two_epoch_run):
 def test_mlflow_run_has_one_step_per_epoch_for_each_metric(two_epoch_run):
     client, run = _only_run(two_epoch_run[0])
     for metric in METRICS:
-        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [0, 1], metric
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [1, 2], metric  # from 1
 
 
 def test_mlflow_run_is_tagged_with_the_environment(two_epoch_run):
@@ -104,7 +162,7 @@ def test_resuming_with_another_model_is_rejected_before_training(two_epoch_run, 
     storage, _ = two_epoch_run
     result = run_vitsweep(train_command(storage, digits16, "run.name=e2e", "model.args.depth=3"))
     assert result.returncode == 2
-    assert "belongs to another model" in result.stderr and "depth" in result.stderr
+    assert "was trained with another config" in result.stderr and "model.args.depth: 2 -> 3" in result.stderr
 
 
 def test_ema_metrics_and_weights_are_logged_exactly_when_ema_is_on(two_epoch_run):
@@ -112,6 +170,6 @@ def test_ema_metrics_and_weights_are_logged_exactly_when_ema_is_on(two_epoch_run
     ema_on = run.data.params["optim.ema_decay"] != "None"
     for metric in ("val_top1_ema", "val_top5_ema", "val_loss_ema"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, metric)]
-        assert steps == ([0, 1] if ema_on else []), metric
+        assert steps == ([1, 2] if ema_on else []), metric
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert ("model_ema.safetensors" in artifacts) == ema_on

@@ -72,7 +72,7 @@ def test_diverging_loss_stops_the_run_and_marks_it_failed(tmp_path, digits16):
         storage, digits16, "run.name=diverge", "optim.lr=1e6", "optim.epochs=3", "optim.weight_decay=0",
     ))
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "loss diverged at epoch 0 step" in result.stderr
+    assert "loss diverged at epoch 1 step" in result.stderr
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
     assert run.info.status == "FAILED"

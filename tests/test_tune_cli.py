@@ -181,6 +181,44 @@ def test_plots_cover_each_knob_and_the_cost_pareto_front(tmp_path):
             for i, (state, top1, params) in enumerate([("completed", 70.0, 1.0), ("completed", 80.0, 2.0),
                                                        ("early_stopped", 20.0, 1.5)])]
     written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
-    assert sorted(p.name for p in written) == ["val_top1_vs_channel_schedule.png", "val_top1_vs_mha_ratio_range.0.png",
-                                               "val_top1_vs_params_and_gflops.png"]
+    # mha_ratio_range.0 applies to one trial only: one point plots nothing
+    assert sorted(p.name for p in written) == ["val_top1_vs_channel_schedule.png", "val_top1_vs_params_and_gflops.png"]
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_no_plot_is_drawn_for_a_knob_or_a_size_that_does_not_vary(tmp_path):
+    from pipeline.sweeps.report import TrialRow, plot_sweep
+
+    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"optim.lr": lr, "model.args.depth": 2}, 3,
+                     {"val_top1": top1}, 0.9, 0.003) for i, (lr, top1) in enumerate([(1e-3, 70.0), (2e-3, 80.0)])]
+    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
+    assert [p.name for p in written] == ["val_top1_vs_lr.png"]
+
+
+def test_seeds_are_summarised_per_configuration_as_mean_spread_and_n(tmp_path):
+    from pipeline.sweeps.report import TrialRow, format_seed_table, seed_groups
+
+    trials = [("eit", 0, 80.0), ("eit", 1, 84.0), ("eit", 2, 82.0), ("vit", 0, 70.0), ("vit", 1, 72.0)]
+    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"model.name": model, "run.seed": seed}, 3,
+                     {"val_top1": top1}, 1.0, 0.01) for i, (model, seed, top1) in enumerate(trials)]
+    rows.append(TrialRow("t9", "r9", "early_stopped", "", {"model.name": "vit", "run.seed": 2}, 1, {"val_top1": 10.0},
+                         1.0, 0.01))  # stopped early: not a finished repeat
+    (eit, vit) = seed_groups(rows)
+    assert (eit.knobs, eit.n("val_top1"), eit.mean("val_top1"), eit.spread("val_top1")) == (
+        {"model.name": "eit"}, 3, 82.0, 2.0)
+    assert (vit.n("val_top1"), vit.mean("val_top1")) == (2, 71.0)
+    lines = format_seed_table(rows, "val_top1", "max").splitlines()
+    assert lines[0].split()[:6] == ["name", "n", "val_top1", "mean", "±", "sd"]
+    assert lines[2].split()[:5] == ["eit", "3", "82.00", "±", "2.00"] and lines[3].split()[:5] == ["vit", "2", "71.00", "±", "1.41"]
+
+
+def test_compare_groups_a_sweep_with_seeds_by_configuration(tmp_path, capsys):
+    client = _fake_sweep(tmp_path)
+    experiment = client.get_experiment_by_name("vitsweep").experiment_id
+    (parent,) = client.search_runs([experiment], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'")
+    for run in client.search_runs([experiment], filter_string=f"tags.`{PARENT_TAG}` = '{parent.info.run_id}'"):
+        knobs = json.loads(run.data.tags[KNOBS_TAG])
+        client.set_tag(run.info.run_id, KNOBS_TAG, json.dumps({**knobs, "run.seed": 0}))
+    assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "per configuration, over seeds" in out and "85.00 ± 0.00" in out and "per trial:" in out

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from pipeline.cli import compare, config, data, doctor, models, train, tune
-from pipeline.errors import InvalidInputError
+from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID_INPUT = 0, 1, 2
 
@@ -40,6 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidInputError as err:
         print(f"vitsweep {args.command}: {err}", file=sys.stderr)
         return EXIT_INVALID_INPUT
+    except AlreadyFinished as done:
+        print(f"vitsweep {args.command}: {done}")
+        return EXIT_OK
+    except RunFailed as err:
+        print(f"vitsweep {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Interrupted as stop:
+        print(f"vitsweep {args.command}: interrupted by {stop.signal_name}; the MLflow run is marked KILLED; run the "
+              "same command again to continue from its last checkpoint", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print(f"vitsweep {args.command}: interrupted", file=sys.stderr)
         return EXIT_FAILURE

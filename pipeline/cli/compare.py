@@ -75,6 +75,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"sweep {found.info.run_name} ({found.info.status}): space {params.get('space')}, "
           f"searcher {params.get('tune.searcher')}, scheduler {params.get('tune.scheduler')}, metric {metric} ({mode})"
           + (f", best trial {best}" if best else ""))
+    if report.has_seeds(rows):
+        print(f"\nper configuration, over seeds (completed trials):\n{report.format_seed_table(rows, metric, mode)}\n"
+              "\nper trial:")
     print(report.format_table(rows, metric, mode))
     if others:
         print(f"\nother sweeps in {args.experiment!r} (--sweep NAME): {', '.join(others)}")

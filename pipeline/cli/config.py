@@ -27,6 +27,15 @@ def add_address_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
+    """--verbose, shared by the commands that run on Ray."""
+    parser.add_argument(
+        "--verbose", "-v", action="store_true",
+        help="also show the libraries' output (Ray, DeepSpeed, MLflow, ...) on the console; it is always in the "
+             "run's log file",
+    )
+
+
 def add_parser(commands) -> None:
     parser = commands.add_parser("config", help="Show or validate a resolved experiment config.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)

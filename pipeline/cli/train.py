@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from pipeline.cli.config import add_address_argument, add_config_arguments
+from pipeline.cli.config import add_address_argument, add_config_arguments, add_verbose_argument
 
 
 def add_parser(commands) -> None:
@@ -16,25 +15,30 @@ def add_parser(commands) -> None:
     )
     add_config_arguments(parser)
     add_address_argument(parser)
+    add_verbose_argument(parser)
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     launched_at = time.time()
+    from pipeline.console import Console, quiet_environment
+
+    quiet_environment()  # before the libraries are imported: some read their settings then
+    console = Console(verbose=args.verbose, buffered=True).activate()
+    console.capture_libraries()
     from pipeline.driver import train_from_config
-    from pipeline.runs import TrainingDiverged
+    from pipeline.tracking import where_to_look
 
     try:
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
-    except TrainingDiverged as err:
-        print(f"vitsweep train: {err}", file=sys.stderr)
-        return 1
-    metrics = outcome.metrics
-    print(
-        f"\nfinished {outcome.run_name}: val_top1 {metrics.get('val_top1', float('nan')):.2f}%  "
-        f"val_top5 {metrics.get('val_top5', float('nan')):.2f}%\n"
-        f"  checkpoints and Ray results: {outcome.run_dir}\n"
-        f"  MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}\n"
-        f"  see it with: mlflow ui --backend-store-uri {outcome.tracking_uri}"
-    )
+        metrics = outcome.metrics
+        console.line(
+            f"\nfinished {outcome.run_name}: val_top1 {metrics.get('val_top1', float('nan')):.2f}%  "
+            f"val_top5 {metrics.get('val_top5', float('nan')):.2f}%\n"
+            f"  checkpoints and Ray results: {outcome.run_dir}\n"
+            f"  MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}\n"
+            + where_to_look(outcome.tracking_uri, outcome.experiment_id, outcome.mlflow_run_id)
+        )
+    finally:
+        console.close()
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli.config import add_address_argument, add_config_arguments
+from pipeline.cli.config import add_address_argument, add_config_arguments, add_verbose_argument
 from pipeline.errors import InvalidInputError
 
 
@@ -29,12 +29,25 @@ def add_parser(commands) -> None:
              "not run again",
     )
     add_address_argument(parser)
+    add_verbose_argument(parser)
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pipeline.console import Console, quiet_environment
+
+    quiet_environment()  # before the libraries are imported: some read their settings then
+    console = Console(verbose=args.verbose, buffered=True).activate()
+    console.capture_libraries()
+    try:
+        return _sweep(args, console)
+    finally:
+        console.close()
+
+
+def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
-    from pipeline.tracking import check_logger_can_reach
+    from pipeline.tracking import check_logger_can_reach, where_to_look
 
     if args.resume:
         given = [flag for flag, value in (("--space", args.spaces), ("--config", args.config),
@@ -47,13 +60,14 @@ def _run(args: argparse.Namespace) -> int:
     check_logger_can_reach(sweep.tracking_uri, args.address)
     outcome = run_sweep(sweep, address=args.address, resume=bool(args.resume))
 
-    print(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}")
+    console.line(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}")
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
-        print(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  {outcome.best.knobs}")
-    print(f"  sweep directory: {outcome.directory}\n"
-          f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
-          f"  see it with: mlflow ui --backend-store-uri {outcome.tracking_uri}")
+        console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
+                     f"{outcome.best.knobs}")
+    console.line(f"  sweep directory: {outcome.directory}\n"
+                 f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
+                 + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view))
     if outcome.interrupted:
         print(f"vitsweep tune: interrupted; continue with: vitsweep tune --resume {outcome.directory}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pipeline.sweeps.spaces import short_key  # noqa: E402
+from pipeline.sweeps.spaces import short_keys  # noqa: E402
 from pipeline.sweeps.tracking import (COMPLETED, EARLY_STOPPED, KNOBS_TAG, PRUNED, STOP_REASON_TAG,  # noqa: E402
                                       TRIAL_TAG, child_runs)
 from pipeline.tracking import MlflowRun  # noqa: E402
@@ -103,7 +103,7 @@ def _cell(value: Any) -> str:
 
 def table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list[list[str]]]:
     keys = knob_keys(rows)
-    header = ["trial", "state", *[short_key(k) for k in keys], "epochs", metric,
+    header = ["trial", "state", *short_keys(keys).values(), "epochs", metric,
               *[m for m in REPORTED if m != metric], "params_M", "gflops", "reason", "mlflow_run"]
     body = []
     for row in ranked(rows, metric, mode):
@@ -122,12 +122,73 @@ def to_csv(rows: list[TrialRow], metric: str, mode: str) -> str:
     return out.getvalue()
 
 
-def format_table(rows: list[TrialRow], metric: str, mode: str, max_reason: int = 60) -> str:
-    header, body = table(rows, metric, mode)
-    body = [[*line[:-2], line[-2][:max_reason], line[-1]] for line in body]
+def _aligned(header: list[str], body: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *body)]
     render = (lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())  # noqa: E731
     return "\n".join([render(header), render(["-" * w for w in widths]), *[render(line) for line in body]])
+
+
+def format_table(rows: list[TrialRow], metric: str, mode: str, max_reason: int = 60) -> str:
+    header, body = table(rows, metric, mode)
+    return _aligned(header, [[*line[:-2], line[-2][:max_reason], line[-1]] for line in body])
+
+
+# --------------------------------------------------------------------------------------------------
+# Seeds: repeats of one configuration, summarised
+# --------------------------------------------------------------------------------------------------
+
+SEED_KEY = "run.seed"
+
+
+@dataclass(frozen=True)
+class SeedGroup:
+    """The completed trials of one configuration that differ only in ``run.seed``."""
+
+    knobs: dict[str, Any]  # without the seed
+    values: dict[str, list[float]]  # each reported metric, one value per seed
+
+    def n(self, metric: str) -> int:
+        return len(self.values.get(metric, []))
+
+    def mean(self, metric: str) -> float:
+        values = self.values.get(metric, [])
+        return sum(values) / len(values) if values else math.nan
+
+    def spread(self, metric: str) -> float:
+        """The sample standard deviation over seeds (0 with one seed)."""
+        values, mean = self.values.get(metric, []), self.mean(metric)
+        return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+
+
+def has_seeds(rows: list[TrialRow]) -> bool:
+    return any(SEED_KEY in row.knobs for row in rows)
+
+
+def seed_groups(rows: list[TrialRow]) -> list[SeedGroup]:
+    """Completed trials grouped by every knob but the seed (an early-stopped trial's value is from fewer epochs)."""
+    groups: dict[str, SeedGroup] = {}
+    for row in rows:
+        if row.state != COMPLETED:
+            continue
+        knobs = {key: value for key, value in row.knobs.items() if key != SEED_KEY}
+        group = groups.setdefault(json.dumps(knobs, sort_keys=True), SeedGroup(knobs, {m: [] for m in REPORTED}))
+        for metric in REPORTED:
+            if not math.isnan(row.value(metric)):
+                group.values[metric].append(row.value(metric))
+    return list(groups.values())
+
+
+def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
+    """One line per configuration: its knobs, n seeds, the metric's mean ± standard deviation and range, best first."""
+    groups = sorted(seed_groups(rows), key=lambda g: -g.mean(metric) if mode == "max" else g.mean(metric))
+    keys = list(dict.fromkeys(key for group in groups for key in group.knobs))
+    header = [*short_keys(keys).values(), "n", f"{metric} mean ± sd", "min", "max",
+              *[f"{m} mean" for m in REPORTED if m != metric]]
+    body = [[*[_cell(group.knobs.get(key)) for key in keys], str(group.n(metric)),
+             f"{group.mean(metric):.2f} ± {group.spread(metric):.2f}", _cell(min(group.values[metric], default=None)),
+             _cell(max(group.values[metric], default=None)), *[_cell(group.mean(m)) for m in REPORTED if m != metric]]
+            for group in groups]
+    return _aligned(header, body)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,57 +209,78 @@ def _numeric(values: list[Any]) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, log_keys: set[str]) -> list[Path]:
-    """One PNG per searched knob (metric vs knob) and one Pareto plot; returns the files written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    scored = [r for r in rows if not math.isnan(r.value(metric))]
+def _scatter_states(ax, points: list[tuple[Any, float, str]]) -> None:
     styles = {COMPLETED: dict(color="C0", label="completed"),
               EARLY_STOPPED: dict(color="C7", marker="x", label="stopped early")}
-    written = []
-    for key in knob_keys(scored):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        present = [r for r in scored if key in r.knobs]
-        values = [r.knobs[key] for r in present]
-        if _numeric(values):
-            positions, ticks = values, None
-        else:
-            ticks = list(dict.fromkeys(_cell(v) for v in values))
-            positions = [ticks.index(_cell(v)) for v in values]
-        for state, style in styles.items():
-            chosen = [(x, r.value(metric)) for x, r in zip(positions, present) if r.state == state]
-            if chosen:
-                ax.scatter(*zip(*chosen), **style)
-        if ticks is not None:
-            ax.set_xticks(range(len(ticks)), ticks, rotation=30 if max(map(len, ticks)) > 6 else 0)
-        elif key in log_keys:
-            ax.set_xscale("log")
-        ax.set_xlabel(key)
-        ax.set_ylabel(f"{metric} (last epoch)")
-        ax.legend(fontsize="small")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = directory / f"{metric}_vs_{short_key(key)}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+    for state, style in styles.items():
+        chosen = [(x, y) for x, y, s in points if s == state]
+        if chosen:
+            ax.scatter(*zip(*chosen), s=36, **style)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+
+def _finish(fig, ax, xlabel: str, metric: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{metric} (last epoch)")
+    ax.ticklabel_format(axis="y", useOffset=False)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, log_keys: set[str],
+               discrete_keys: set[str] = frozenset()) -> list[Path]:
+    """The metric against each knob that varies (a categorical axis for a discrete or non-numeric
+    knob), and against parameters and GFLOPs with the Pareto front where the trials differ in size."""
+    directory.mkdir(parents=True, exist_ok=True)
+    scored = [r for r in rows if not math.isnan(r.value(metric))]
+    written = []
+    names = short_keys(knob_keys(scored))
+    groups = seed_groups(scored) if has_seeds(scored) else []
+    for key, name in names.items():
+        if key == SEED_KEY:  # seeds are repeats: summarised as each configuration's mean ± sd below
+            continue
+        present = [r for r in scored if key in r.knobs]
+        labels = [_cell(r.knobs[key]) for r in present]
+        if len(set(labels)) < 2:  # a constant knob says nothing
+            continue
+        fig, ax = plt.subplots(figsize=(8, 5))
+        values = [r.knobs[key] for r in present]
+        if _numeric(values) and key not in discrete_keys:
+            positions = values
+            if key in log_keys:
+                ax.set_xscale("log")
+            else:
+                ax.ticklabel_format(axis="x", useOffset=False)
+        else:
+            order = sorted(set(labels), key=lambda label: values[labels.index(label)]) if _numeric(values) \
+                else list(dict.fromkeys(labels))
+            positions = [order.index(label) for label in labels]
+            ax.set_xticks(range(len(order)), order, rotation=30 if max(map(len, order)) > 6 else 0)
+        _scatter_states(ax, [(x, r.value(metric), r.state) for x, r in zip(positions, present)])
+        for index, group in enumerate(g for g in groups if key in g.knobs):
+            x = positions[labels.index(_cell(group.knobs[key]))]
+            ax.errorbar([x], [group.mean(metric)], yerr=[group.spread(metric)], fmt="D", color="C3", capsize=6,
+                        label=f"mean ± sd over seeds (n = {group.n(metric)})" if index == 0 else None)
+        written.append(_finish(fig, ax, key, metric, directory / f"{metric}_vs_{name}.png"))
+
+    sizes = [(r.params_m, r.gflops) for r in scored if r.params_m and r.gflops]
+    if len(set(sizes)) < 2:  # every trial the same size: no trade-off to draw
+        return written
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, (cost, label) in zip(axes, [("params_m", "parameters (M)"), ("gflops", "GFLOPs")]):
-        for state, style in styles.items():
-            chosen = [(getattr(r, cost), r.value(metric)) for r in scored if r.state == state and getattr(r, cost)]
-            if chosen:
-                ax.scatter(*zip(*chosen), **style)
+        _scatter_states(ax, [(getattr(r, cost), r.value(metric), r.state) for r in scored if getattr(r, cost)])
         front = pareto_front([(getattr(r, cost), r.value(metric)) for r in scored
                               if r.state == COMPLETED and getattr(r, cost)], mode)
-        if front:
+        if len(front) > 1:
             ax.step(*zip(*front), where="post", color="C3", label="Pareto front")
-        ax.set_xlabel(label)
-        ax.set_ylabel(f"{metric} (last epoch)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = directory / f"{metric}_vs_params_and_gflops.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
+        ax.ticklabel_format(axis="x", useOffset=False)
+        if ax is not axes[-1]:
+            ax.set_xlabel(label)
+            ax.set_ylabel(f"{metric} (last epoch)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+    written.append(_finish(fig, axes[-1], "GFLOPs", metric, directory / f"{metric}_vs_params_and_gflops.png"))
     return written

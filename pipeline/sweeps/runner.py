@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -35,16 +34,20 @@ from ray.tune.search.optuna import OptunaSearch
 
 from pipeline import uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
+from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
 from pipeline.errors import InvalidInputError
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
-from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder, mark_unfinished,
-                                      open_parent_run)
+from pipeline.sweeps.progress import SweepTable
+from pipeline.sweeps.spaces import short_keys
+from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, PARENT_TAG, TRIAL_STATES, TrialRecorder,
+                                      mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
-from pipeline.tracking import MlflowRun, require_reachable, resolve_tracking_uri
+from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
+                               run_origin)
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
@@ -243,7 +246,8 @@ def _scheduler(cfg: ExperimentConfig):
 def _trainable(sweep: Sweep):
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
-                     cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR))
+                     cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR),
+                     source=command_line())
     return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
 
 
@@ -266,10 +270,11 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
             trial_name_creator=trial_name, trial_dirname_creator=trial_name,
         ),
         run_config=tune.RunConfig(
-            name=sweep.name, storage_path=sweep.root, verbose=1,
+            name=sweep.name, storage_path=sweep.root, verbose=0,  # the sweep prints its own table
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
-                                     cfg.optim.epochs, cfg.tune.scheduler)],
+                                     cfg.optim.epochs, cfg.tune.scheduler),
+                       SweepTable(cfg.tune.metric, cfg.optim.epochs)],
         ),
     )
 
@@ -279,7 +284,9 @@ class SweepOutcome:
     name: str
     directory: str
     tracking_uri: str
+    experiment_id: str
     parent_run_id: str
+    view: str  # the saved runs-table view of its trials (MLflow UI)
     interrupted: bool
     table: str
     best: report.TrialRow | None
@@ -310,17 +317,22 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
 
     parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
     sweep.parent_run_id = parent.run_id
+    console = active_console()
+    if not uris.is_uri(sweep.directory):
+        console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
     if not resume:
         write_text(sweep.record_path, sweep.record())
         parent.log_params(_sweep_params(sweep, max_concurrent))
+        parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
                           RECORD_NAME: sweep.record()})
-    print(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
-          f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
-          f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
-          + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
-          + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}",
-          flush=True)
+        save_sweep_view(sweep, parent)
+    console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
+                 f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
+                 f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
+                 + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
+                 + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}"
+                 + (f"\n  library output in {console.log_path}" if console.log_path else ""))
 
     if resume and tune.Tuner.can_restore(sweep.directory):
         tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep), resume_unfinished=True,
@@ -336,8 +348,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         # where it stopped and let --resume continue it.
         mark_unfinished(parent, f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}")
         parent.finish("FAILED")
-        print(f"vitsweep tune: the sweep failed; continue it with: vitsweep tune --resume {sweep.directory}",
-              file=sys.stderr, flush=True)
+        console.line(f"vitsweep tune: the sweep failed; continue it with: vitsweep tune --resume {sweep.directory}")
         raise
     # A trial neither terminated nor errored was still pending or running when Tune stopped.
     interrupted = results.num_terminated + results.num_errors < len(results)
@@ -354,6 +365,30 @@ def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
             if candidate.problem:
                 pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
     return pruned
+
+
+def describe_sweep(sweep: Sweep) -> str:
+    cfg = sweep.cfg
+    trials = len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples
+    return (f"Sweep **{sweep.space.name}**: {sweep.space.description or 'search space'}. {cfg.tune.searcher} over "
+            f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({trials} trials, {cfg.tune.scheduler}), "
+            f"{cfg.model.name}, {cfg.optim.epochs} epochs each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
+
+
+def view_key(sweep: Sweep) -> str:
+    return f"vitsweep-{sweep.name}"
+
+
+def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
+    """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
+    cfg = sweep.cfg
+    knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
+    metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
+    columns = [*(f"params.`{knob}`" for knob in knobs), *(f"metrics.`{m}`" for m in metrics), "tags.`stop_reason`",
+               "attributes.`User`"]
+    MlflowStore(parent.uri).save_view(
+        parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
+        order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
 
 
 def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
@@ -373,15 +408,19 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     parent.log_texts(files)
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
-        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys):
+        discrete_keys = {d.key for d in sweep.space.dims if d.kind in ("values", "randint")}
+        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys):
             parent.log_artifact(path, "plots")
-    metrics = {f"trials_{state}": sum(r.state == state for r in all_rows) for state in TRIAL_STATES}
-    metrics["trials_total"] = len(all_rows)
-    metrics["trial_epochs"] = sum(r.epochs for r in rows)  # the compute the sweep spent
+    # Counters are tags: as metrics the UI would chart each as a one-bar plot ahead of the metric.
+    counts = {f"trials_{state}": str(sum(r.state == state for r in all_rows)) for state in TRIAL_STATES}
+    counts.update(trials_total=str(len(all_rows)), trial_epochs=str(sum(r.epochs for r in rows)))
+    parent.set_tags(counts)
     if best:
-        metrics[f"best_{metric}"] = best.value(metric)
+        parent.log_metrics({f"best_{metric}": best.value(metric)})
         parent.set_tags({"best_trial_id": best.trial_id, "best_run_id": best.run_id, "best_knobs": json.dumps(best.knobs)})
-    parent.log_metrics(metrics)
     parent.finish("KILLED" if interrupted else "FINISHED")
-    return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.run_id, interrupted,
-                        report.format_table(all_rows, metric, mode), best)
+    table = report.format_table(all_rows, metric, mode)
+    if report.has_seeds(rows):
+        table = f"per configuration, over seeds:\n{report.format_seed_table(rows, metric, mode)}\n\nper trial:\n{table}"
+    return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.get().info.experiment_id, parent.run_id,
+                        view_key(sweep), interrupted, table, best)

@@ -57,6 +57,23 @@ def short_key(key: str) -> str:
     return ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
 
 
+def short_keys(keys) -> dict[str, str]:
+    """Each key's short name, longer where two would read the same (``optim.lr`` and ``model.args.lr``
+    -> ``optim.lr``, ``args.lr``)."""
+    names = {key: short_key(key) for key in keys}
+    while len(set(names.values())) < len(names):
+        clashing = {name for name in names.values() if list(names.values()).count(name) > 1}
+        grown = False
+        for key, name in names.items():
+            parts = key.split(".")
+            if name in clashing and len(name.split(".")) < len(parts):
+                names[key] = ".".join(parts[-len(name.split(".")) - 1:])
+                grown = True
+        if not grown:
+            break
+    return names
+
+
 def check_key(key: str, where: str) -> None:
     """Raise SpaceError unless ``key`` names a field of the experiment config (or a model argument)."""
     problem = schema_problem(key)
@@ -335,6 +352,7 @@ def _mgcrp_square(tree: dict[str, Any], rounding: str = "nearest") -> dict[str, 
 
 
 DERIVATIONS = {"mgcrp_square": _mgcrp_square}
+DERIVED_KEYS = {"mgcrp_square": ("model.args.mgcrp_m", "model.args.mgcrp_n", "model.args.repr_size")}
 
 
 @dataclass(frozen=True)
@@ -344,6 +362,11 @@ class Derivation:
 
     def __call__(self, tree: dict[str, Any]) -> dict[str, Any]:
         return DERIVATIONS[self.name](tree, **dict(self.options))
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys the rule fills."""
+        return DERIVED_KEYS[self.name]
 
 
 def _derivations(derive: DeriveSpec) -> tuple[Derivation, ...]:

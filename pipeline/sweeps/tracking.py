@@ -16,14 +16,13 @@ from typing import Any
 from mlflow.entities import Run
 from ray.tune import Callback
 
-from pipeline.tracking import DIVERGED_TAG, MlflowRun, MlflowStore
+from pipeline.tracking import DIVERGED_TAG, STOP_REASON_TAG, MlflowRun, MlflowStore
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "vitsweep.role"
 SWEEP_TAG = "sweep"
 TRIAL_TAG = "trial_id"
 KNOBS_TAG = "knobs"
-STOP_REASON_TAG = "stop_reason"
 EPOCHS_DONE = "epochs_done"  # what a trial reports to Tune each epoch (1-based); ASHA's time attribute
 
 COMPLETED, EARLY_STOPPED, DIVERGED, ERROR, INTERRUPTED, PRUNED = (
@@ -69,9 +68,10 @@ def child_runs(parent: MlflowRun) -> list[Run]:
 
 
 def record_stop(run: MlflowRun, status: str | None, reason: str) -> None:
-    run.set_tags({STOP_REASON_TAG: reason})
     if status:
-        run.finish(status)
+        run.end(status, reason)
+    else:
+        run.set_tags({STOP_REASON_TAG: reason})
 
 
 def mark_unfinished(parent: MlflowRun, reason: str) -> None:

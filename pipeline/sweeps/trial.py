@@ -24,7 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.metrics import DIVERGED_KEY
 from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
 from pipeline.sweeps.planning import model_problem, resolve_trial
-from pipeline.sweeps.spaces import SearchSpace, short_key
+from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, open_child_run
 
 
@@ -40,6 +40,7 @@ class SweepPlan:
     experiment: str
     parent_run_id: str
     trial_storage: str  # where each trial's Ray Train run lives (local path or URI), one dir per trial id
+    source: str = "vitsweep tune"  # the sweep's command line (MLflow's Source of each trial)
 
 
 class SweepReportCallback(TuneReportCallback):
@@ -58,7 +59,14 @@ class SweepReportCallback(TuneReportCallback):
 
 
 def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:
-    return f"{trial_id} " + " ".join(f"{short_key(k)}={v}" for k, v in knobs.items())
+    return f"{trial_id} " + " ".join(f"{name}={knobs[key]}" for key, name in short_keys(knobs).items())
+
+
+def knob_params(knobs: dict[str, Any]) -> dict[str, Any]:
+    """Each searched or derived knob under its short name (``code_size``), beside its dotted param
+    (``model.args.code_size``): the runs table shows short, distinct columns (a config param's name
+    always has a dot, so a short name never collides with one)."""
+    return {name: knobs[key] for key, name in short_keys(knobs).items()}
 
 
 def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
@@ -79,7 +87,8 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
     tracking = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,
                               trial_run_name(trial_id, knobs), knobs)
-    open_tracking(run, tracking)
-    trainer = build_trainer(run, tracking, launched_at, callbacks=(SweepReportCallback(),))
+    open_tracking(run, tracking, source=f"{plan.source} (trial {trial_id})")
+    tracking.log_params(knob_params(knobs))
+    trainer = build_trainer(run, tracking, launched_at, callbacks=(SweepReportCallback(),), announce=False)
     # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
     fit_and_record(trainer, run, tracking, record_failure=False)

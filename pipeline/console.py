@@ -1,0 +1,182 @@
+"""What a person sees: vitsweep's own lines on the console, every library's chatter in a log file.
+
+vitsweep's lines are printed where the facts are: the epoch line in Ray Train's controller, the
+progress line on rank 0, the sweep table in the driver. Lines printed inside Ray processes carry
+``MARK``; the driver passes them to its stdout and writes everything else Ray forwards (worker and
+actor output, DeepSpeed's and Ray's own lines) to the run's log file, with the libraries' Python
+logging and warnings of the driver itself. ``--verbose`` shows that output on the console too.
+
+On a terminal the progress line is redrawn in place; otherwise (a file, CI, a Ray job's log) each
+progress line is a plain line and no ANSI codes are written.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import TextIO
+
+MARK = "\x1evitsweep\x1e "  # prefix of vitsweep's own lines printed inside Ray processes
+PROGRESS = "progress "  # after MARK: a progress line, redrawn in place on a terminal
+LOG_FILE_NAME = "vitsweep.log"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Library loggers whose records belong in the log file, not on the console.
+LIBRARY_LOGGERS = ("ray", "mlflow", "deepspeed", "torch", "numba", "filelock", "alembic", "urllib3", "py.warnings")
+
+
+def say(text: str) -> None:
+    """Print one of vitsweep's own lines from inside a Ray process (controller, worker)."""
+    for line in text.splitlines():
+        print(MARK + line, flush=True)
+
+
+def say_progress(text: str) -> None:
+    print(MARK + PROGRESS + text, flush=True)
+
+
+def quiet_environment() -> None:
+    """Settings read by the libraries as they start (call before Ray starts; workers inherit them)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # deduplication would fold and delay our own lines
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # spot preemption only; logs an error line
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's boxed output; the sweep prints its own table
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # vitsweep prints its own links
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # it would send each of our lines twice
+    os.environ.setdefault("TQDM_DISABLE", "1")  # unlabelled library bars (ffcv's writer); vitsweep says what it writes
+
+
+_active: Console | None = None
+
+
+def active_console() -> Console:
+    """The command's console (a plain stdout one when no command set it up, e.g. a library caller)."""
+    global _active
+    if _active is None:
+        _active = Console()
+    return _active
+
+
+class Console:
+    """The driver's console and log file for one command."""
+
+    def __init__(self, verbose: bool = False, stream: TextIO | None = None, buffered: bool = False):
+        """``buffered``: keep library output in memory until ``open_log`` names the file (a command's
+        log lives in its run directory, which must not be written before the input checks pass);
+        otherwise (a library caller) it goes to stderr."""
+        self.verbose = verbose
+        self.stream = stream or sys.stdout
+        self.terminal = self.stream.isatty()
+        self.log_path: Path | None = None
+        self._lock = threading.Lock()
+        self._live = False  # a progress line is on screen, to be overwritten
+        self.log: TextIO = io.StringIO() if buffered else sys.stderr
+        self._handler = logging.StreamHandler(self)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    # -- the driver's own output ------------------------------------------------------------------
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            self._end_live()
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def progress(self, text: str) -> None:
+        with self._lock:
+            if self.terminal:
+                self.stream.write("\r\x1b[K" + text)
+                self._live = True
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def redraw(self, text: str) -> None:
+        """Raw terminal output that redraws itself (the sweep table)."""
+        with self._lock:
+            self._end_live()
+            self.stream.write(text)
+            self.stream.flush()
+
+    def _end_live(self) -> None:
+        if self._live:
+            self.stream.write("\r\x1b[K")
+            self._live = False
+
+    # -- everything else --------------------------------------------------------------------------
+
+    def open_log(self, path: Path) -> None:
+        """From now on the library output goes to ``path`` (what was kept so far first)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  (closed by close())
+        with self._lock:
+            if isinstance(self.log, io.StringIO):
+                log.write(self.log.getvalue())
+            self.log, self.log_path = log, path
+
+    def write(self, text: str) -> None:
+        """File-like, for the libraries' logging handler."""
+        with self._lock:
+            self.log.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+    def library(self, text: str) -> None:
+        self.write(text if text.endswith("\n") else text + "\n")
+        if self.verbose:
+            with self._lock:
+                self._end_live()
+                self.stream.write((text if self.terminal else _ANSI.sub("", text)).rstrip("\n") + "\n")
+                self.stream.flush()
+
+    def capture_libraries(self) -> None:
+        """Python logging of the libraries and warnings go to the log file (and the console with --verbose)."""
+        logging.captureWarnings(True)
+        warnings.simplefilter("default")
+        root = logging.getLogger()
+        root.handlers = [self._handler, *([logging.StreamHandler(self.stream)] if self.verbose else [])]
+        root.setLevel(logging.INFO)
+        for name in LIBRARY_LOGGERS:  # their own console handlers go; their records reach the root's
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.propagate = True
+
+    def route_ray_output(self) -> None:
+        """Ray forwards every worker's and actor's stdout/stderr to the driver: ours to the console, the rest to the log.
+
+        Ray 2.60 has no public hook for this; its dispatcher (``ray._private.ray_logging``) is the
+        one place all forwarded lines pass, and vitsweep pins Ray to 2.60.x (pyproject.toml).
+        """
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.remove_handler("vitsweep")
+        dispatcher.add_handler("vitsweep", self._route)
+
+    def _route(self, data: dict) -> None:
+        if data.get("pid") == "autoscaler":  # Ray's own printer filters these down to events
+            return
+        who = data.get("actor_name") or data.get("task_name") or "worker"
+        for line in data.get("lines", ()):
+            if line.startswith(MARK + PROGRESS):
+                self.progress(line[len(MARK + PROGRESS):])
+            elif line.startswith(MARK):
+                self.line(line[len(MARK):])
+            else:
+                self.library(f"({who} pid={data.get('pid')}{', stderr' if data.get('is_err') else ''}) {line}")
+
+    def activate(self) -> Console:
+        global _active
+        _active = self
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            self._end_live()
+            self.stream.flush()
+        if self.log_path is not None:
+            self.log.close()

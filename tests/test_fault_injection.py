@@ -1,0 +1,126 @@
+"""Faults injected into real runs: whatever ends a run, its MLflow status says so with a one-line
+reason, the console's last line says what happened, and nothing half-written is left to resume from."""
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import RunningVitsweep, run_vitsweep, train_command, wait_for
+from pipeline.runs import unregistered_checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(storage: Path) -> list:
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    experiment = client.get_experiment_by_name("vitsweep")
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def _last_line(output: str) -> str:
+    return [line for line in output.splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_driver_ends_the_run_killed_and_stops_its_workers(tmp_path, digits16, signum, exit_code):
+    storage = tmp_path / "runs"
+    driver = RunningVitsweep(train_command(storage, digits16, "run.name=stopped", "optim.epochs=30"))
+    driver.wait_for_line("epoch 1/30")
+    workers = [worker.pid for worker in driver.train_workers()]
+    driver.process.send_signal(signum)
+    assert driver.finish(timeout=120) == exit_code, driver.output[-3000:]
+    name = signal.Signals(signum).name
+    assert _last_line(driver.output).startswith(f"vitsweep train: interrupted by {name}")
+    (run,) = _runs(storage)
+    assert run.info.status == "KILLED" and run.data.tags["stop_reason"] == f"interrupted: {name}"
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), 30, "the workers to stop")
+
+
+def test_a_killed_driver_leaves_no_unregistered_checkpoint_after_the_resume(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=3")
+    driver = RunningVitsweep(args)
+    driver.wait_for_line("(checkpoint saved)")
+    driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
+    driver.finish(timeout=60)
+    (run,) = _runs(storage)
+    assert run.info.status == "RUNNING"
+    orphan = storage / "resumed" / "checkpoint_2000-01-01_00-00-00.000000"  # as a kill mid-report leaves one
+    orphan.mkdir(parents=True)
+    (orphan / "mp_rank_00_model_states.pt").write_bytes(b"")
+
+    result = run_vitsweep(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "(resumed from a checkpoint)" in result.stdout
+    (run,) = _runs(storage)
+    assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
+    assert not orphan.exists()
+    assert len([path for path in (storage / "resumed").glob("checkpoint_*") if path.is_dir()]) <= 2  # run.num_to_keep
+
+
+def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    driver = RunningVitsweep(train_command(storage, digits16, "run.name=lost-worker", "optim.epochs=30",
+                                           "run.max_failures=0"))
+    driver.wait_for_line("epoch 1/30")
+    driver.train_workers()[-1].kill()
+    assert driver.finish(timeout=300) == 1, driver.output[-3000:]
+    assert _last_line(driver.output).startswith("vitsweep train: error: ")
+    (run,) = _runs(storage)
+    assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
+
+
+def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    args = train_command(storage, digits16, "run.name=done")
+    assert run_vitsweep(args).returncode == 0
+    (before,) = _runs(storage)
+
+    result = run_vitsweep(args + ["--address", "http://127.0.0.1:8265"], timeout=120)
+    assert result.returncode == 2 and "Ray Jobs API address" in result.stderr
+    (after,) = _runs(storage)
+    assert after.info.status == "FINISHED" and after.info.end_time == before.info.end_time
+    assert after.data.tags == before.data.tags
+
+
+def test_an_address_where_no_cluster_answers_is_refused_before_any_run_is_opened(tmp_path, digits16):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_vitsweep(train_command(tmp_path / "runs", digits16) + ["--address", f"127.0.0.1:{port}"],
+                          timeout=120)
+    assert result.returncode == 2 and f"no Ray cluster answers at 127.0.0.1:{port}" in result.stderr
+    assert not _runs(tmp_path / "runs")
+
+
+def test_more_workers_than_the_local_ray_can_hold_is_refused_without_opening_a_run(tmp_path, digits16):
+    result = run_vitsweep(train_command(tmp_path / "runs", digits16, "scaling.num_workers=64"), timeout=180)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "scaling.num_workers=64 workers need 64 CPUs" in result.stderr
+    assert not _runs(tmp_path / "runs")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MB tmpfs: room for the run's store and datasets, not for its checkpoints."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True)
+    assert mounted.returncode == 0, f"this test mounts a tmpfs (root): {mounted.stderr.decode()}"
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(small_disk, digits16):
+    storage = small_disk / "runs"
+    result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30",
+                                        "model.args.depth=6", "model.args.embed_dim=192"))
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _last_line(result.stderr).startswith("vitsweep train: error: ")
+    (run,) = _runs(storage)
+    assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
+    assert unregistered_checkpoints(storage / "full") == []
