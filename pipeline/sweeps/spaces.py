@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import ExperimentConfig, read_utf8
 from pipeline.errors import InvalidInputError
 
 SPACE_DIR = Path(__file__).resolve().parents[2] / "tune_spaces"
@@ -475,7 +475,7 @@ def _check_conditions(dims: list[Dimension], where: str) -> None:
 
 def load_space(ref: str) -> SearchSpace:
     path = space_path(ref)
-    return parse_space(path.read_text(), path.stem, str(path))
+    return parse_space(read_utf8(path, "search space file"), path.stem, str(path))
 
 
 def combine(spaces: list[SearchSpace]) -> SearchSpace:
