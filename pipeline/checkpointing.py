@@ -276,3 +276,24 @@ def checkpoint_to_resume(handed: str | Path | None, run_dir: str | Path | None) 
         else:
             log.warning("%s; no intact checkpoint is left, so training starts again from epoch 0", err)
         return fallback
+
+
+def check_run_checkpoints(run_dir: str | Path) -> Path | None:
+    """Before any worker starts: the newest intact checkpoint a re-run of ``run_dir`` can resume
+    from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
+    CorruptCheckpointError when it has checkpoints but none is intact."""
+    if not Path(run_dir).is_dir():
+        return None
+    found = checkpoints_newest_first(run_dir)
+    if not found:
+        return None
+    intact = latest_intact_checkpoint(run_dir)
+    if intact is None:
+        try:
+            verify_checkpoint(found[0])
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(
+                f"none of the {len(found)} checkpoints of run {str(run_dir)!r} is intact (the newest: {err}); "
+                "choose a new run.name to start afresh, or remove the run directory"
+            ) from None
+    return intact

@@ -87,9 +87,10 @@ def uri_password_problem(uri: str) -> str | None:
             "(or MLFLOW_TRACKING_TOKEN) for an MLflow server, PGPASSWORD / ~/.pgpass for a PostgreSQL store")
 
 
-def location_problem(location: str | None) -> str | None:
+def location_problem(location: str | None, directory: bool = False) -> str | None:
     """Why a data or storage location cannot be used as given, else None: a URI carrying a
-    credential, or a local path below an existing file (nothing could ever be created there)."""
+    credential, or a local path below an existing file (nothing could ever be created there), or
+    (``directory``) itself an existing file."""
     if location is None:
         return None
     if is_uri(location):
@@ -100,17 +101,27 @@ def location_problem(location: str | None) -> str | None:
                     "GOOGLE_APPLICATION_CREDENTIALS variables, ~/.netrc, or fsspec's config)")
         return None
     path = Path(location).expanduser().absolute()
+    if directory and path.exists() and not path.is_dir():
+        return f"{str(path)!r} is a file, and a directory is needed here; choose another path"
     blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
         return f"{str(blocking)!r} is a file, so nothing can exist below it; choose a path under a directory"
     return None
 
 
-def _check_location(location: str | None) -> str | None:
-    problem = location_problem(location)
+def _refuse(problem: str | None) -> None:
     if problem:
         # Neither the value nor the input is echoed: it may hold a secret.
         raise PydanticCustomError(SECRET_VALUE_ERROR, problem)
+
+
+def _check_location(location: str | None) -> str | None:
+    _refuse(location_problem(location))
+    return location
+
+
+def _check_directory(location: str | None) -> str | None:
+    _refuse(location_problem(location, directory=True))
     return location
 
 
@@ -198,7 +209,8 @@ class DataConfig(_Section):
     cache_dir: str | None = None  # node-local staging directory; default: $VITSWEEP_CACHE_DIR, else under run.storage_path
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
-    _usable_locations = field_validator("train", "val", "cache_dir")(_check_location)
+    _usable_locations = field_validator("train", "val")(_check_location)
+    _usable_cache = field_validator("cache_dir")(_check_directory)
 
     @field_validator("crop_scale", "crop_ratio")
     @classmethod
@@ -324,7 +336,7 @@ class RunConfig(_Section):
     checkpoint_score: str = "val_top1"
     max_failures: int = Field(0, ge=-1)  # -1: retry forever
 
-    _usable_storage = field_validator("storage_path")(_check_location)
+    _usable_storage = field_validator("storage_path")(_check_directory)
 
 
 class TuneConfig(_Section):
@@ -347,7 +359,7 @@ class TuneConfig(_Section):
     trial_cpus: float = Field(1.0, gt=0.0)  # CPUs held by each trial's driver function, on top of its workers
     seed: int | None = Field(None, ge=0)  # sampling seed; default: run.seed
 
-    _usable_storage = field_validator("storage_path")(_check_location)
+    _usable_storage = field_validator("storage_path")(_check_directory)
 
     @property
     def mode(self) -> Literal["max", "min"]:

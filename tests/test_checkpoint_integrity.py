@@ -12,6 +12,7 @@ from pipeline.checkpointing import (
     CorruptCheckpointError,
     DEEPSPEED_TAG,
     MANIFEST_PREFIX,
+    check_run_checkpoints,
     checkpoint_to_resume,
     latest_intact_checkpoint,
     load_checkpoint,
@@ -175,3 +176,21 @@ def test_torch_itself_fails_on_the_file_verification_refuses(run_dir):
         torch.load(states, weights_only=True)
     with pytest.raises(CorruptCheckpointError, match=states.name):
         verify_checkpoint(run_dir / "checkpoint_epoch1")
+
+
+def test_a_rerun_is_told_before_any_worker_which_intact_checkpoint_it_resumes(run_dir, caplog):
+    (run_dir / "checkpoint_epoch1" / "vitsweep_manifest_rank0.json").write_text("{truncated")
+    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+        assert check_run_checkpoints(run_dir) == run_dir / "checkpoint_epoch0"
+    assert "vitsweep_manifest_rank0.json" in caplog.text
+
+
+def test_a_rerun_whose_checkpoints_are_all_corrupt_is_refused_before_any_worker(run_dir):
+    for epoch in (0, 1):
+        _model_states(run_dir / f"checkpoint_epoch{epoch}").write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match=r"none of the 2 checkpoints.*model_states.pt.*new run.name"):
+        check_run_checkpoints(run_dir)
+
+
+def test_a_new_run_has_no_checkpoint_to_check(tmp_path):
+    assert check_run_checkpoints(tmp_path / "never-ran") is None

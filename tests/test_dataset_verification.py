@@ -8,15 +8,11 @@ import pytest
 
 from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError, verify_dataset, verified_record_path
 from pipeline.data.sidecar import sidecar_path
-from pipeline.data.sources import DigitsSource
-from pipeline.data.writing import write_beton
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pristine") / "digits.beton"
-    write_beton(DigitsSource("val", 8), path, num_workers=1)
-    return path
+@pytest.fixture
+def pristine(digits16):
+    return digits16["val"]
 
 
 @pytest.fixture
@@ -54,21 +50,21 @@ def test_the_same_damaged_file_as_a_file_uri_is_refused(beton, tmp_path):
 
 def test_a_damaged_file_behind_another_uri_is_refused_before_staging(pristine, tmp_path):
     filesystem = fsspec.filesystem("memory")
-    filesystem.pipe("/bucket/digits.beton", _change_64_bytes_mid_file(pristine.read_bytes()))
-    filesystem.pipe("/bucket/digits.beton.json", sidecar_path(pristine).read_bytes())
+    filesystem.pipe("/bucket/val.beton", _change_64_bytes_mid_file(pristine.read_bytes()))
+    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
     try:
-        with pytest.raises(ChecksumMismatchError, match="memory://bucket/digits.beton"):
-            verify_dataset("memory://bucket/digits.beton", tmp_path / "verified.json")
+        with pytest.raises(ChecksumMismatchError, match="memory://bucket/val.beton"):
+            verify_dataset("memory://bucket/val.beton", tmp_path / "verified.json")
     finally:
         filesystem.rm("/bucket", recursive=True)
 
 
 def test_a_sound_file_behind_another_uri_is_verified(pristine, tmp_path):
     filesystem = fsspec.filesystem("memory")
-    filesystem.pipe("/bucket/digits.beton", pristine.read_bytes())
-    filesystem.pipe("/bucket/digits.beton.json", sidecar_path(pristine).read_bytes())
+    filesystem.pipe("/bucket/val.beton", pristine.read_bytes())
+    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
     try:
-        assert verify_dataset("memory://bucket/digits.beton", tmp_path / "verified.json").num_samples > 0
+        assert verify_dataset("memory://bucket/val.beton", tmp_path / "verified.json").num_samples > 0
     finally:
         filesystem.rm("/bucket", recursive=True)
 
@@ -101,7 +97,7 @@ def test_a_sidecar_beside_another_file_is_refused_naming_both(beton, tmp_path):
     renamed = beton.with_name("other.beton")
     beton.rename(renamed)
     sidecar_path(beton).rename(sidecar_path(renamed))
-    with pytest.raises(CorruptDatasetError, match=r"describes 'digits.beton', not 'other.beton'"):
+    with pytest.raises(CorruptDatasetError, match=r"describes 'val.beton', not 'other.beton'"):
         verify_dataset(str(renamed), tmp_path / "verified.json")
 
 

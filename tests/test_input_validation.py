@@ -113,3 +113,12 @@ def test_a_location_below_an_existing_file_exits_2_and_creates_nothing(tmp_path,
     assert code == EXIT_INVALID_INPUT
     assert key in message and f"{str(blocker)!r} is a file" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("key", ["run.storage_path", "tune.storage_path", "data.cache_dir"])
+def test_a_directory_location_that_is_an_existing_file_exits_2(tmp_path, capsys, key):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, message = _validate(capsys, f"{key}={blocker}")
+    assert code == EXIT_INVALID_INPUT
+    assert key in message and "a directory is needed" in message
