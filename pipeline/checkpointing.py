@@ -14,7 +14,6 @@ bad file at every restart.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import random
@@ -27,6 +26,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.data.atomic import write_text_atomically
+from pipeline.data.sidecar import sha256_of
 from pipeline.errors import InvalidInputError
 
 DEEPSPEED_TAG = "state"
@@ -165,17 +165,12 @@ def save_final_weights(engine, directory: Path, rank: int, ema=None) -> None:
             write_manifest(directory, rank)  # again: the weights are this rank's files too
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def write_manifest(directory: Path, rank: int) -> Path:
     """Record every file in ``directory`` (this rank's own, before Ray merges the ranks') with its
     size and SHA-256; written last and atomically, so a manifest vouches for complete files."""
     manifest = directory / f"{MANIFEST_PREFIX}{rank}.json"
     files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(MANIFEST_PREFIX))
-    entries = [{"name": p.relative_to(directory).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+    entries = [{"name": p.relative_to(directory).as_posix(), "size": p.stat().st_size, "sha256": sha256_of(p)}
                for p in files]
     write_text_atomically(manifest, json.dumps({"rank": rank, "files": entries}, indent=1) + "\n")
     return manifest
@@ -216,7 +211,7 @@ def _check_entry(directory: Path, entry: dict[str, Any], manifest: str) -> None:
             f"checkpoint file {str(path)!r} is {size} bytes, {entry['size']} were written (truncated or "
             f"overwritten; listed in {manifest})"
         )
-    if _sha256(path) != entry["sha256"]:
+    if sha256_of(path) != entry["sha256"]:
         raise CorruptCheckpointError(
             f"checkpoint file {str(path)!r} does not hash to the SHA-256 its rank recorded in {manifest}: "
             "its bytes changed after writing"
