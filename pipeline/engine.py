@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pipeline.config import ExperimentConfig
 
 
@@ -36,3 +38,11 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,  # progress is ours to report, once per epoch
         "wall_clock_breakdown": False,
     }
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def input_dtype(cfg: ExperimentConfig) -> torch.dtype:
+    """The dtype the engine's model computes in, so the input batch must be cast to it."""
+    return PRECISION_DTYPES[cfg.deepspeed.precision]

@@ -66,7 +66,3 @@ def check_model(cfg: ModelConfig, num_classes: int = 1000) -> int:
             f"model.name={cfg.name!r}, model.img_size={cfg.img_size}, model.args={cfg.args!r}: {problem}"
         )
     return sum(p.numel() for p in build_model(cfg, num_classes, device="meta").parameters())
-
-
-# driver.check_run still calls this name; remove it once check_run calls check_model.
-check_buildable = check_model

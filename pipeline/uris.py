@@ -1,4 +1,5 @@
-"""URIs and the credentials they may carry: what counts as a URI, what in one is secret, and how to name one safely.
+"""Locations: a local path or a URI (``s3://``, ``gs://``, ``file://``, any fsspec/pyarrow filesystem),
+and the credentials a URI may carry.
 
 A URI reaches the console, the logs, MLflow params and ``config.yaml``; a credential inside it
 (``user:password@host``, a token as the user name, ``?token=...``, a presigned ``X-Amz-Signature``)
@@ -9,6 +10,7 @@ error message from a filesystem or a server can be printed.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 MASK = "***"
@@ -29,6 +31,17 @@ _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 def is_uri(location: str) -> bool:
     """A location with a scheme (``s3://``, ``file://``, ``http://``), as opposed to a local path."""
     return "://" in location
+
+
+def absolute(location: str | None) -> str | None:
+    """A local path made absolute (Ray workers run in another working directory); URIs and None as given."""
+    if location is None or is_uri(location):
+        return location
+    return str(Path(location).expanduser().resolve())
+
+
+def join(location: str, *parts: str) -> str:
+    return "/".join([location.rstrip("/"), *parts]) if is_uri(location) else str(Path(location, *parts))
 
 
 def credentials_in(uri: str) -> str | None:
