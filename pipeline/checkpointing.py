@@ -2,14 +2,22 @@
 
 A checkpoint directory holds DeepSpeed's files under the tag ``state`` (every rank writes its
 ZeRO shards; Ray Train merges the ranks' directories into one), ``vitsweep_checkpoint.json``
-(which model it belongs to, the epoch) and, at the end of a run, ``model.safetensors`` (full fp32
-weights). Nothing is ever unpickled beyond tensors and plain containers.
+(which model it belongs to, the epoch, the world size) and, at the end of a run,
+``model.safetensors`` (full fp32 weights). Nothing is ever unpickled beyond tensors and plain
+containers.
+
+Each rank writes last a manifest of its files (name, size, SHA-256), ``vitsweep_manifest_rank<r>.json``:
+``verify_checkpoint`` names the file a truncated or overwritten checkpoint lost, and
+``checkpoint_to_resume`` falls back to the newest intact checkpoint instead of failing on the same
+bad file at every restart.
 """
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +25,23 @@ import numpy as np
 import torch
 
 from pipeline.config import ModelConfig
+from pipeline.data.atomic import write_text_atomically
+from pipeline.data.sidecar import sha256_of
 from pipeline.errors import InvalidInputError
 
 DEEPSPEED_TAG = "state"
 META_FILE = "vitsweep_checkpoint.json"
 WEIGHTS_FILE = "model.safetensors"
+MANIFEST_PREFIX = "vitsweep_manifest_rank"
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(InvalidInputError):
     """A checkpoint of another model (name, overrides, resolution or classes) than the config's."""
+
+
+class CorruptCheckpointError(InvalidInputError):
+    """A checkpoint file is missing, truncated or overwritten: its bytes are not what its rank wrote."""
 
 
 def weights_only_checkpoint_engine(config_params=None):
@@ -64,7 +80,17 @@ def read_meta(checkpoint_dir: str | Path) -> dict[str, Any]:
     path = Path(checkpoint_dir) / META_FILE
     if not path.is_file():
         raise InvalidInputError(f"{checkpoint_dir} is not a vitsweep checkpoint (no {META_FILE})")
-    return json.loads(path.read_text())
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CorruptCheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise CorruptCheckpointError(f"checkpoint file {str(path)!r} holds {type(record).__name__}, not a record")
+    return record
 
 
 def check_same_model(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -100,7 +126,9 @@ def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, 
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
     if rank == 0:
-        (directory / META_FILE).write_text(json.dumps({"model": identity, "epoch": epoch}, indent=2))
+        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size}
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2))
+    write_manifest(directory, rank)
 
 
 def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> int:
@@ -134,3 +162,133 @@ def save_final_weights(engine, directory: Path, rank: int, ema=None) -> None:
             save_model(copy.deepcopy(engine.module).float(), str(directory / WEIGHTS_FILE))
             if ema is not None:
                 save_model(ema.module, str(directory / EMA_WEIGHTS_FILE))
+            write_manifest(directory, rank)  # again: the weights are this rank's files too
+
+
+def write_manifest(directory: Path, rank: int) -> Path:
+    """Record every file in ``directory`` (this rank's own, before Ray merges the ranks') with its
+    size and SHA-256; written last and atomically, so a manifest vouches for complete files."""
+    manifest = directory / f"{MANIFEST_PREFIX}{rank}.json"
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(MANIFEST_PREFIX))
+    entries = [{"name": p.relative_to(directory).as_posix(), "size": p.stat().st_size, "sha256": sha256_of(p)}
+               for p in files]
+    write_text_atomically(manifest, json.dumps({"rank": rank, "files": entries}, indent=1) + "\n")
+    return manifest
+
+
+def verify_checkpoint(directory: str | Path) -> None:
+    """Raise a CorruptCheckpointError naming the file unless every rank's files are as it wrote them.
+
+    A checkpoint written before manifests existed is checked by the CRC-32 of every entry of its
+    torch archives (what torch's reader would trip over), and its metadata's JSON.
+    """
+    directory = Path(directory)
+    meta = read_meta(directory)
+    manifests = sorted(directory.glob(f"{MANIFEST_PREFIX}*.json"))
+    if not manifests:
+        for archive in sorted(directory.rglob("*.pt")):
+            _check_torch_archive(archive)
+        return
+    world_size = meta.get("world_size")
+    if world_size is not None and len(manifests) != world_size:
+        found = sorted(p.name for p in manifests)
+        raise CorruptCheckpointError(
+            f"checkpoint {str(directory)!r} was written by {world_size} ranks but holds the manifests of "
+            f"{len(manifests)} ({found}): a rank's files are missing"
+        )
+    for manifest in manifests:
+        for entry in _read_json(manifest).get("files", []):
+            _check_entry(directory, entry, manifest.name)
+
+
+def _check_entry(directory: Path, entry: dict[str, Any], manifest: str) -> None:
+    path = directory / entry["name"]
+    if not path.is_file():
+        raise CorruptCheckpointError(f"checkpoint file {str(path)!r} is missing (listed in {manifest})")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise CorruptCheckpointError(
+            f"checkpoint file {str(path)!r} is {size} bytes, {entry['size']} were written (truncated or "
+            f"overwritten; listed in {manifest})"
+        )
+    if sha256_of(path) != entry["sha256"]:
+        raise CorruptCheckpointError(
+            f"checkpoint file {str(path)!r} does not hash to the SHA-256 its rank recorded in {manifest}: "
+            "its bytes changed after writing"
+        )
+
+
+def _check_torch_archive(path: Path) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CorruptCheckpointError(f"checkpoint file {str(path)!r} is not a whole torch archive ({err})") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"checkpoint file {str(path)!r}: entry {bad!r} fails its CRC-32 check")
+
+
+def checkpoints_newest_first(run_dir: str | Path) -> list[Path]:
+    """The vitsweep checkpoints in a Ray Train run directory, latest epoch first (then latest written)."""
+    def epoch(directory: Path) -> int:
+        try:
+            return int(read_meta(directory).get("epoch", -1))
+        except (InvalidInputError, TypeError, ValueError):
+            return -1  # unreadable metadata sorts last; verification names the problem
+
+    found = [d for d in Path(run_dir).iterdir() if d.is_dir() and (d / META_FILE).exists()]
+    return sorted(found, key=lambda d: (epoch(d), (d / META_FILE).stat().st_mtime_ns), reverse=True)
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint in ``run_dir`` that passes ``verify_checkpoint``; each newer one that
+    does not is named in a warning. None when there is none."""
+    if not Path(run_dir).is_dir():
+        return None
+    for directory in checkpoints_newest_first(run_dir):
+        try:
+            verify_checkpoint(directory)
+        except CorruptCheckpointError as err:
+            log.warning("skipping a corrupt checkpoint: %s", err)
+            continue
+        return directory
+    return None
+
+
+def checkpoint_to_resume(handed: str | Path | None, run_dir: str | Path | None) -> Path | None:
+    """The checkpoint a (re)started worker should load: the one Ray handed it if intact, else the
+    newest intact one beside it, with a warning; None (start afresh, with a warning) when no
+    intact one is left, so that a restart never fails again on the same bad file."""
+    if handed is None:
+        return None
+    try:
+        verify_checkpoint(handed)
+        return Path(handed)
+    except CorruptCheckpointError as err:
+        fallback = latest_intact_checkpoint(run_dir) if run_dir is not None else None
+        if fallback is not None:
+            log.warning("%s; resuming from the newest intact checkpoint %s instead", err, fallback)
+        else:
+            log.warning("%s; no intact checkpoint is left, so training starts again from epoch 0", err)
+        return fallback
+
+
+def check_run_checkpoints(run_dir: str | Path) -> Path | None:
+    """Before any worker starts: the newest intact checkpoint a re-run of ``run_dir`` can resume
+    from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
+    CorruptCheckpointError when it has checkpoints but none is intact."""
+    if not Path(run_dir).is_dir():
+        return None
+    found = checkpoints_newest_first(run_dir)
+    if not found:
+        return None
+    intact = latest_intact_checkpoint(run_dir)
+    if intact is None:
+        try:
+            verify_checkpoint(found[0])
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(
+                f"none of the {len(found)} checkpoints of run {str(run_dir)!r} is intact (the newest: {err}); "
+                "choose a new run.name to start afresh, or remove the run directory"
+            ) from None
+    return intact

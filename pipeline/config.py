@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 from pathlib import Path
 import typing
@@ -23,12 +24,37 @@ from pipeline import uris
 from pipeline.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
+# The largest integer any config value may hold: torch, numpy, numba (ffcv's loaders) and Optuna
+# all take 32-bit counts and seeds; a larger one overflows inside a worker, long after validation.
+MAX_INT = 2**31 - 1
+
+
+def number_problem(value: Any) -> str | None:
+    """Why a number inside a free-form value (``model.args``) cannot be passed on, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a finite number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"{value} is outside +-{MAX_INT}, the 32-bit range torch, numpy and ffcv take"
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return next((problem for item in value if (problem := number_problem(item))), None)
+    return None
 
 
 class _Section(BaseModel):
     # Unknown keys are errors (a misspelt key must never be silently ignored); values are
-    # re-validated when assigned so a config never holds an invalid value.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # re-validated when assigned so a config never holds an invalid value. inf and nan are
+    # refused in every float field (lr=1e400 would train, then "diverge").
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _numbers_fit_the_libraries(cls, value: Any) -> Any:
+        problem = number_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 def check_registered(name: str) -> str:
@@ -42,6 +68,64 @@ def check_registered(name: str) -> str:
         hint = f"; did you mean one of {close}" if close else ""
         raise ValueError(f"{name!r} is not a registered model{hint} (see `vitsweep models list`)")
     return name
+
+
+# Error type of a value that must not be echoed back (it holds a secret).
+SECRET_VALUE_ERROR = "secret_value"
+
+
+def uri_password_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be an MLflow tracking URI (malformed, or carries a credential), else None.
+
+    Never quotes the credential."""
+    try:
+        urlsplit(uri).port  # noqa: B018  (parsing the port is what rejects a malformed authority)
+    except ValueError:
+        return f"is not a valid URI ({uris.redact(uri).partition('://')[2] or 'malformed host'})"
+    credential = uris.credentials_in(uri)
+    if credential is None:
+        return None
+    return (f"embeds {credential}, which would be logged as an MLflow param, saved in config.yaml and "
+            "printed; give the URI without it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+            "(or MLFLOW_TRACKING_TOKEN) for an MLflow server, PGPASSWORD / ~/.pgpass for a PostgreSQL store")
+
+
+def location_problem(location: str | None, directory: bool = False) -> str | None:
+    """Why a data or storage location cannot be used as given, else None: a URI carrying a
+    credential, or a local path below an existing file (nothing could ever be created there), or
+    (``directory``) itself an existing file."""
+    if location is None:
+        return None
+    if uris.is_uri(location):
+        credential = uris.credentials_in(location)
+        if credential:
+            return (f"the URI embeds {credential}, which would be printed, logged and saved in config.yaml; "
+                    "give it without, and the credentials to the filesystem instead (AWS_* / "
+                    "GOOGLE_APPLICATION_CREDENTIALS variables, ~/.netrc, or fsspec's config)")
+        return None
+    path = Path(location).expanduser().absolute()
+    if directory and path.exists() and not path.is_dir():
+        return f"{str(path)!r} is a file, and a directory is needed here; choose another path"
+    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        return f"{str(blocking)!r} is a file, so nothing can exist below it; choose a path under a directory"
+    return None
+
+
+def _refuse(problem: str | None) -> None:
+    if problem:
+        # Neither the value nor the input is echoed: it may hold a secret.
+        raise PydanticCustomError(SECRET_VALUE_ERROR, problem)
+
+
+def _check_location(location: str | None) -> str | None:
+    _refuse(location_problem(location))
+    return location
+
+
+def _check_directory(location: str | None) -> str | None:
+    _refuse(location_problem(location, directory=True))
+    return location
 
 
 class ModelConfig(_Section):
@@ -127,6 +211,9 @@ class DataConfig(_Section):
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     cache_dir: str | None = None  # node-local staging directory; default: $VITSWEEP_CACHE_DIR, else under run.storage_path
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
+
+    _usable_locations = field_validator("train", "val")(_check_location)
+    _usable_cache = field_validator("cache_dir")(_check_directory)
 
     @field_validator("crop_scale", "crop_ratio")
     @classmethod
@@ -226,25 +313,6 @@ class ScalingConfig(_Section):
         return self
 
 
-# Error type of a value that must not be echoed back (it holds a secret).
-SECRET_VALUE_ERROR = "secret_value"
-
-
-def uri_password_problem(uri: str) -> str | None:
-    """Why ``uri`` cannot be used as given (malformed, or carries a password: ``user:password@host``), else None.
-
-    Never quotes the part before ``@``, where a password would be."""
-    try:
-        password = urlsplit(uri).password
-    except ValueError:
-        return f"is not a valid URI ({uri.partition('@')[2] or 'malformed host'})"
-    if password is None:
-        return None
-    return ("embeds a password (user:password@host), which would be logged as an MLflow param, saved in "
-            "config.yaml and printed; give the URI without it and set MLFLOW_TRACKING_USERNAME and "
-            "MLFLOW_TRACKING_PASSWORD (an MLflow server) or PGPASSWORD / ~/.pgpass (a PostgreSQL store)")
-
-
 class TrackingConfig(_Section):
     """MLflow: where runs are recorded. No URI: a SQLite file under run.storage_path."""
 
@@ -274,6 +342,8 @@ class RunConfig(_Section):
     # host with the device every step would stall the GPU.
     log_every_steps: int = Field(20, ge=1)
 
+    _usable_storage = field_validator("storage_path")(_check_directory)
+
 
 class TuneConfig(_Section):
     """A Ray Tune sweep (`vitsweep tune`): searcher, scheduler, budget. `vitsweep train` ignores it.
@@ -295,6 +365,8 @@ class TuneConfig(_Section):
     trial_cpus: float = Field(1.0, gt=0.0)  # CPUs held by each trial's driver function, on top of its workers
     seed: int | None = Field(None, ge=0)  # sampling seed; default: run.seed
 
+    _usable_storage = field_validator("storage_path")(_check_directory)
+
     @property
     def mode(self) -> Literal["max", "min"]:
         return "min" if self.metric.endswith("loss") else "max"
@@ -308,6 +380,8 @@ class DistillConfig(_Section):
     teacher_args: dict[str, Any] = Field(default_factory=dict)  # its constructor overrides
     teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
+
+    _usable_checkpoint = field_validator("teacher_checkpoint")(_check_location)
 
     @field_validator("teacher")
     @classmethod
@@ -342,6 +416,16 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 "optim.ema_decay needs every rank to hold whole parameters; deepspeed.zero_stage=3 "
                 "partitions them: use zero_stage 0-2 with EMA"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quasi_random_on_one_worker(self) -> ExperimentConfig:
+        if self.data.order == "quasi_random" and self.scaling.num_workers > 1:
+            raise ValueError(
+                f"data.order='quasi_random' cannot be sharded across ranks by ffcv 1.0.2, and "
+                f"scaling.num_workers={self.scaling.num_workers}: use data.order='random' (with data.os_cache=true "
+                "on a node-local copy) or scaling.num_workers=1"
             )
         return self
 
@@ -397,12 +481,31 @@ def _read_yaml(source: str) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(read_utf8(path, "config file"))
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not tree:
+        # The schema's defaults are no preset's (300 epochs of another model): never run them by accident.
+        raise ConfigError(
+            f"config file {str(path)!r} is empty: it sets nothing. Start from a preset, e.g. "
+            "`vitsweep config show --config default > my.yaml`, then edit it"
+        )
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(tree).__name__}")
     return tree
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; a ConfigError naming the first undecodable byte if it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{what} {str(path)!r} is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} "
+            f"(line {line}); save it as UTF-8"
+        ) from None
 
 
 # YAML 1.1 reads 1e-3 (no dot) as a string; a learning rate should be a number.
@@ -545,11 +648,13 @@ def describe_error(error: dict[str, Any], key: str, valid_keys: list[str]) -> st
         return f"{key}: missing; it is required"
     if error["type"] == SECRET_VALUE_ERROR:
         return f"{key}: {message}"
-    return f"{key} = {error['input']!r}: {message}"
+    return f"{key} = {uris.redact(repr(error['input']))}: {message}"
 
 
 def _describe(error: dict[str, Any]) -> str:
     key = ".".join(str(part) for part in error["loc"]) or "<config>"
+    if error["type"] != "extra_forbidden" and _section_keys((*error["loc"], None)):
+        return f"{key}: {error['msg'].removeprefix('Value error, ')}"  # a check across a section: its message names the keys
     return describe_error(error, key, _section_keys(error["loc"]))
 
 

@@ -1,10 +1,35 @@
-"""Locations: a local path or a URI (``s3://``, ``gs://``, ``file://``, any fsspec/pyarrow filesystem)."""
+"""Locations: a local path or a URI (``s3://``, ``gs://``, ``file://``, any fsspec/pyarrow filesystem),
+and the credentials a URI may carry.
+
+A URI reaches the console, the logs, MLflow params and ``config.yaml``; a credential inside it
+(``user:password@host``, a token as the user name, ``?token=...``, a presigned ``X-Amz-Signature``)
+must reach none of them. ``credentials_in`` says what kind of secret a URI holds without quoting it
+(validation refuses such URIs); ``redact`` masks every secret in any text that names URIs, so an
+error message from a filesystem or a server can be printed.
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+MASK = "***"
+
+# Schemes whose user name is an account the store authenticates separately (PGPASSWORD, Kerberos,
+# ssh keys), not itself a secret; anywhere else (http basic auth above all) a bare user is a token.
+_USER_IS_ACCOUNT = {"postgresql", "postgres", "mysql", "mssql", "oracle", "hdfs", "webhdfs", "sftp", "ssh"}
+# Query parameters that carry a secret: tokens, keys, passwords, and the signatures of presigned
+# S3 / GCS URLs and Azure SAS tokens.
+_SECRET_QUERY = re.compile(
+    r"(token|secret|passw(or)?d|pwd|api[-_]?key|access[-_]?key|credential|signature|^sig$|^auth|^key$|^code$)",
+    re.IGNORECASE,
+)
+# A URI inside free text: scheme://, then everything up to whitespace or a quote.
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 
 
 def is_uri(location: str) -> bool:
+    """A location with a scheme (``s3://``, ``file://``, ``http://``), as opposed to a local path."""
     return "://" in location
 
 
@@ -17,3 +42,50 @@ def absolute(location: str | None) -> str | None:
 
 def join(location: str, *parts: str) -> str:
     return "/".join([location.rstrip("/"), *parts]) if is_uri(location) else str(Path(location, *parts))
+
+
+def credentials_in(uri: str) -> str | None:
+    """What kind of credential ``uri`` carries (never the credential itself), else None.
+
+    A URI that cannot be parsed counts as carrying one when it has an ``@`` in its authority:
+    it cannot be shown to be safe.
+    """
+    try:
+        parts = urlsplit(uri)
+        password, username = parts.password, parts.username
+    except ValueError:
+        return "userinfo (user@host) in a URI that cannot be parsed" if "@" in uri.partition("://")[2].split("/")[0] else None
+    if password is not None:
+        return "a password (user:password@host)"
+    if username is not None and parts.scheme.lower() not in _USER_IS_ACCOUNT:
+        return f"a user name ({parts.scheme}://NAME@host), sent as a credential (a token)"
+    secret_keys = [key for key, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET_QUERY.search(key)]
+    if secret_keys:
+        return f"a secret query parameter ({', '.join(dict.fromkeys(secret_keys))})"
+    return None
+
+
+def redact(text: str) -> str:
+    """``text`` with every URI's credentials replaced by ``***``: userinfo and secret query values.
+
+    Takes a bare URI or any message naming URIs (an exception's text, a log line).
+    """
+    return _URI_IN_TEXT.sub(lambda match: _redact_uri(match.group(0)), text)
+
+
+def _redact_uri(uri: str) -> str:
+    scheme, _, rest = uri.partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:  # everything before the last @ is userinfo, whether or not it parses
+        authority = f"{MASK}@{authority.rpartition('@')[2]}"
+    if "?" in path or "?" in authority:
+        head, _, tail = (authority + slash + path).partition("?")
+        query, hash_mark, fragment = tail.partition("#")
+        masked = "&".join(_mask_parameter(item) for item in query.split("&"))
+        return f"{scheme}://{head}?{masked}{hash_mark}{fragment}"
+    return f"{scheme}://{authority}{slash}{path}"
+
+
+def _mask_parameter(item: str) -> str:
+    key, equals, _ = item.partition("=")
+    return f"{key}={MASK}" if equals and _SECRET_QUERY.search(key) else item

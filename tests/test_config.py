@@ -168,6 +168,14 @@ def test_a_tracking_uri_with_a_password_is_rejected_without_echoing_the_password
     assert "s3cret" not in message
 
 
-def test_a_tracking_uri_with_only_a_user_name_is_accepted():
-    cfg = load_config("default", ["tracking.mlflow_uri=https://alice@mlflow.example.com"])
-    assert cfg.tracking.mlflow_uri == "https://alice@mlflow.example.com"
+def test_a_tracking_uri_with_a_token_as_its_user_name_is_rejected_without_echoing_it():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["tracking.mlflow_uri=http://s3cret@mlflow.example.com"])
+    message = str(err.value)
+    assert "tracking.mlflow_uri" in message and "MLFLOW_TRACKING_TOKEN" in message
+    assert "s3cret" not in message
+
+
+def test_a_database_tracking_uri_with_only_an_account_name_is_accepted():
+    cfg = load_config("default", ["tracking.mlflow_uri=postgresql://mlflow@db.example.com/mlflow"])
+    assert cfg.tracking.mlflow_uri == "postgresql://mlflow@db.example.com/mlflow"

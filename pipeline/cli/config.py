@@ -46,7 +46,7 @@ def add_parser(commands) -> None:
     show.set_defaults(run=_show)
 
     validate = actions.add_parser(
-        "validate", help="Validate the config and build the model on the meta device (no compute)."
+        "validate", help="Validate the config; build and run the model on the meta device (no memory, no compute)."
     )
     add_config_arguments(validate)
     validate.set_defaults(run=_validate)
@@ -63,9 +63,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from pipeline.modeling import check_buildable
+    from pipeline.modeling import check_model
 
     cfg = load_config(args.config, args.overrides)
-    params = check_buildable(cfg.model)
-    print(f"config ok: model {cfg.model.name} builds with {params / 1e6:.2f}M parameters (1000 classes)")
+    params = check_model(cfg.model)
+    print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes)")
     return 0

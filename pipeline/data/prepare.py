@@ -12,9 +12,9 @@ from filelock import FileLock
 from pipeline.config import DataConfig, ExperimentConfig
 from pipeline.data.sidecar import WriteOptions, sidecar_path
 from pipeline.data.sources import DigitsSource
-from pipeline.uris import is_uri
 from pipeline.data.writing import write_beton
 from pipeline.errors import InvalidInputError
+from pipeline.uris import is_uri
 
 
 def prepare_digits(data: DataConfig, img_size: int, num_workers: int | None = None) -> tuple[Path, Path]:

@@ -30,6 +30,7 @@ from pipeline.data.atomic import PARTIAL_MARK, partial_path, publish
 from pipeline.data.integrity import ChecksumMismatchError
 from pipeline.data.sidecar import SIDECAR_SUFFIX, Sidecar, SidecarError, parse_sidecar, read_sidecar, sidecar_path, write_sidecar
 from pipeline.errors import InvalidInputError
+from pipeline.uris import is_uri, redact
 
 _COPY_CHUNK = 8 << 20
 CACHE_DIR_ENV = "VITSWEEP_CACHE_DIR"  # a node's local staging directory, set by the cluster
@@ -38,10 +39,6 @@ log = logging.getLogger(__name__)
 
 class StagingError(InvalidInputError):
     """A dataset URI cannot be reached or read from this node."""
-
-
-def is_uri(location: str) -> bool:
-    return "://" in location
 
 
 def cache_dir_for(data: DataConfig, storage_path: str) -> Path:
@@ -77,7 +74,7 @@ def stage_dataset(uri_or_path: str, cache_dir: str | Path) -> Path:
             return local
         for stale in cache.glob(f"{local.name}{PARTIAL_MARK}*"):  # left by a copier that was killed
             stale.unlink(missing_ok=True)
-        log.info("staging %s into %s (%d bytes)", uri_or_path, local, sidecar.size_bytes)
+        log.info("staging %s into %s (%d bytes)", redact(uri_or_path), local, sidecar.size_bytes)
         _copy_verified(filesystem, remote, uri_or_path, local, sidecar)
     return local
 
@@ -96,13 +93,13 @@ def _open_filesystem(uri: str):
     try:
         return fsspec.core.url_to_fs(uri)
     except ImportError as err:  # e.g. s3fs / gcsfs not installed
-        raise StagingError(f"cannot open {uri!r}: {err}") from None
+        raise StagingError(redact(f"cannot open {uri!r}: {err}")) from None
     except (ValueError, OSError) as err:
-        raise StagingError(f"cannot open {uri!r}: {type(err).__name__}: {err}") from None
+        raise StagingError(redact(f"cannot open {uri!r}: {type(err).__name__}: {err}")) from None
 
 
 def _read_remote_sidecar(filesystem, remote: str, uri: str) -> Sidecar:
-    where = uri + SIDECAR_SUFFIX
+    where = redact(uri + SIDECAR_SUFFIX)
     try:
         text = filesystem.cat_file(remote + SIDECAR_SUFFIX)
     except FileNotFoundError:
@@ -111,7 +108,7 @@ def _read_remote_sidecar(filesystem, remote: str, uri: str) -> Sidecar:
             "sidecar beside it; check the URI, the network and the credentials)"
         ) from None
     except Exception as err:  # network and auth errors differ per filesystem; all mean unreachable
-        raise StagingError(f"cannot reach {where!r}: {type(err).__name__}: {err}") from None
+        raise StagingError(redact(f"cannot reach {where!r}: {type(err).__name__}: {err}")) from None
     return parse_sidecar(text.decode() if isinstance(text, bytes) else text, where)
 
 
@@ -138,14 +135,14 @@ def _copy_verified(filesystem, remote: str, uri: str, local: Path, sidecar: Side
                 progress.update(len(chunk))
     except FileNotFoundError:
         partial.unlink(missing_ok=True)
-        raise StagingError(f"cannot read {uri!r}: not found or not reachable from this node") from None
+        raise StagingError(f"cannot read {redact(uri)!r}: not found or not reachable from this node") from None
     except Exception as err:
         partial.unlink(missing_ok=True)
-        raise StagingError(f"copying {uri!r} to {str(local)!r} failed: {type(err).__name__}: {err}") from None
+        raise StagingError(redact(f"copying {uri!r} to {str(local)!r} failed: {type(err).__name__}: {err}")) from None
     try:
         if digest.hexdigest() != sidecar.sha256:
             raise ChecksumMismatchError(
-                f"{uri!r} has SHA-256 {digest.hexdigest()} but its sidecar records {sidecar.sha256}: the remote "
+                f"{redact(uri)!r} has SHA-256 {digest.hexdigest()} but its sidecar records {sidecar.sha256}: the remote "
                 "file is corrupt or was replaced without its sidecar; nothing was staged"
             )
         publish(partial, local)

@@ -21,8 +21,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ExperimentConfig, ModelConfig, validate, with_dotted
+from pipeline.config import ExperimentConfig, validate, with_dotted
 from pipeline.errors import ConfigError
+from pipeline.modeling import model_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
 
 MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
@@ -48,27 +49,6 @@ def resolve_trial(space: SearchSpace, base_tree: dict[str, Any], sampled: dict[s
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return validate(with_dotted(tree, derived)), {**assignment, **derived}
-
-
-def model_problem(model: ModelConfig, num_classes: int = 1000) -> str | None:
-    """Why this model section cannot train (built and run on the meta device), or None."""
-    import torch
-
-    from pipeline.modeling import build_model
-
-    try:
-        module = build_model(model, num_classes, device="meta")
-    except Exception as err:  # noqa: BLE001  (any constructor failure makes the candidate invalid)
-        # build_model's message repeats the whole model section; the knobs are shown beside it.
-        return f"{model.name} cannot be built: {str(err).partition(' cannot be built: ')[2] or err}"
-    try:
-        with torch.no_grad():
-            module.eval()(torch.empty(2, 3, model.img_size, model.img_size, device="meta"))
-    except NotImplementedError:
-        return None  # an op without a meta kernel: the successful build is the whole check
-    except Exception as err:  # noqa: BLE001
-        return f"{model.name} builds but its forward pass fails at img_size={model.img_size}: {err}"
-    return None
 
 
 def _knobs_text(knobs: dict[str, Any]) -> str:

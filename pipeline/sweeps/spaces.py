@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from pipeline.config import describe_error, get_dotted, schema_problem, with_dotted, yaml_number
+from pipeline.config import describe_error, get_dotted, read_utf8, schema_problem, with_dotted, yaml_number
 from pipeline.errors import InvalidInputError
 
 SPACE_DIR = Path(__file__).resolve().parents[2] / "tune_spaces"
@@ -500,7 +500,7 @@ def _check_conditions(dims: list[Dimension], where: str) -> None:
 
 def load_space(ref: str) -> SearchSpace:
     path = space_path(ref)
-    return parse_space(path.read_text(), path.stem, str(path))
+    return parse_space(read_utf8(path, "search space file"), path.stem, str(path))
 
 
 def combine(spaces: list[SearchSpace]) -> SearchSpace:

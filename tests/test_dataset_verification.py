@@ -1,0 +1,106 @@
+"""verify_dataset: a dataset's bytes match its sidecar before any worker starts, for a local path,
+a file:// URI and any other URI; an unchanged file is trusted from the record of its verification."""
+import json
+import os
+
+import fsspec
+import pytest
+
+from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError, verify_dataset, verified_record_path
+from pipeline.data.sidecar import sidecar_path
+
+
+@pytest.fixture
+def pristine(digits16):
+    return digits16["val"]
+
+
+@pytest.fixture
+def beton(pristine, tmp_path):
+    """A fresh copy of a good .beton and its sidecar, free to damage."""
+    copy = tmp_path / "data" / pristine.name
+    copy.parent.mkdir()
+    copy.write_bytes(pristine.read_bytes())
+    sidecar_path(copy).write_text(sidecar_path(pristine).read_text())
+    return copy
+
+
+def _change_64_bytes_mid_file(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:]
+
+
+def test_a_sound_local_dataset_is_verified_and_its_sidecar_returned(beton, tmp_path):
+    assert verify_dataset(str(beton), tmp_path / "verified.json").num_classes == 10
+
+
+def test_a_local_beton_with_64_bytes_changed_mid_file_is_refused(beton, tmp_path):
+    size = beton.stat().st_size
+    beton.write_bytes(_change_64_bytes_mid_file(beton.read_bytes()))
+    assert beton.stat().st_size == size
+    with pytest.raises(ChecksumMismatchError, match=rf"{beton.name}.*SHA-256"):
+        verify_dataset(str(beton), tmp_path / "verified.json")
+
+
+def test_the_same_damaged_file_as_a_file_uri_is_refused(beton, tmp_path):
+    beton.write_bytes(_change_64_bytes_mid_file(beton.read_bytes()))
+    with pytest.raises(ChecksumMismatchError, match=beton.name):
+        verify_dataset(f"file://{beton}", tmp_path / "verified.json")
+
+
+def test_a_damaged_file_behind_another_uri_is_refused_before_staging(pristine, tmp_path):
+    filesystem = fsspec.filesystem("memory")
+    filesystem.pipe("/bucket/val.beton", _change_64_bytes_mid_file(pristine.read_bytes()))
+    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
+    try:
+        with pytest.raises(ChecksumMismatchError, match="memory://bucket/val.beton"):
+            verify_dataset("memory://bucket/val.beton", tmp_path / "verified.json")
+    finally:
+        filesystem.rm("/bucket", recursive=True)
+
+
+def test_a_sound_file_behind_another_uri_is_verified(pristine, tmp_path):
+    filesystem = fsspec.filesystem("memory")
+    filesystem.pipe("/bucket/val.beton", pristine.read_bytes())
+    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
+    try:
+        assert verify_dataset("memory://bucket/val.beton", tmp_path / "verified.json").num_samples > 0
+    finally:
+        filesystem.rm("/bucket", recursive=True)
+
+
+def test_an_unchanged_file_is_trusted_from_its_record_without_hashing_again(beton, tmp_path):
+    record = tmp_path / "verified.json"
+    verify_dataset(str(beton), record)
+    assert json.loads(record.read_text())[str(beton.resolve())]["inode"] == beton.stat().st_ino
+    # Bytes changed behind the record's back, with size, mtime and inode restored: a second hash
+    # would refuse the file, so its acceptance shows the record was used instead.
+    stat = beton.stat()
+    changed = _change_64_bytes_mid_file(beton.read_bytes())
+    with open(beton, "r+b") as handle:  # in place: the same inode
+        handle.write(changed)
+    os.utime(beton, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    verify_dataset(str(beton), record)
+
+
+def test_a_file_rewritten_after_its_verification_is_hashed_again_and_refused(beton, tmp_path):
+    record = tmp_path / "verified.json"
+    verify_dataset(str(beton), record)
+    stat = beton.stat()
+    beton.write_bytes(_change_64_bytes_mid_file(beton.read_bytes()))
+    os.utime(beton, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    with pytest.raises(ChecksumMismatchError):
+        verify_dataset(str(beton), record)
+
+
+def test_a_sidecar_beside_another_file_is_refused_naming_both(beton, tmp_path):
+    renamed = beton.with_name("other.beton")
+    beton.rename(renamed)
+    sidecar_path(beton).rename(sidecar_path(renamed))
+    with pytest.raises(CorruptDatasetError, match=r"describes 'val.beton', not 'other.beton'"):
+        verify_dataset(str(renamed), tmp_path / "verified.json")
+
+
+def test_the_record_lives_in_the_node_cache_dir_when_the_cluster_sets_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITSWEEP_CACHE_DIR", str(tmp_path / "nvme"))
+    assert verified_record_path() == tmp_path / "nvme" / "verified-datasets.json"

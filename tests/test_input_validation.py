@@ -1,0 +1,124 @@
+"""Every invalid input is refused by `vitsweep config validate` with exit 2 and a message naming it:
+before Ray starts, before anything is written."""
+import subprocess
+
+import pytest
+
+from conftest import VITSWEEP, vitsweep_env
+from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+
+
+def _validate(capsys, *overrides: str, config: str = "smoke") -> tuple[int, str]:
+    args = ["config", "validate", "--config", config]
+    for override in overrides:
+        args += ["--set", override]
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_utf8_exits_2_naming_the_byte(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("optim:\n  lr: 1.0e-3  # café\n".encode("latin-1"))
+    result = subprocess.run([VITSWEEP, "config", "validate", "--config", str(path)],
+                            capture_output=True, text=True, env=vitsweep_env())
+    assert result.returncode == EXIT_INVALID_INPUT, result.stderr
+    assert "not UTF-8" in result.stderr and "0xe9" in result.stderr and "line 2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_search_space_file_that_is_not_utf8_exits_2(tmp_path, capsys):
+    path = tmp_path / "space.yaml"
+    path.write_bytes("params:\n  optim.lr: [1.0e-3]  # café\n".encode("latin-1"))
+    code = main(["tune", "--config", "smoke", "--space", str(path), "--set", f"run.storage_path={tmp_path / 'runs'}"])
+    assert code == EXIT_INVALID_INPUT
+    assert "search space file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"], ids=["no_bytes", "only_comments", "empty_mapping"])
+def test_an_empty_config_file_is_refused_with_how_to_start_from_a_preset(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert main(["config", "validate", "--config", str(path)]) == EXIT_INVALID_INPUT
+    message = capsys.readouterr().err
+    assert "is empty" in message and "vitsweep config show --config default > my.yaml" in message
+
+
+def test_an_image_size_the_patch_does_not_divide_exits_2(capsys):
+    code, message = _validate(capsys, "model.img_size=30")
+    assert code == EXIT_INVALID_INPUT
+    assert "model.img_size=30" in message and "patch_size" in message
+
+
+def test_heads_that_do_not_divide_the_channels_exit_2_from_the_meta_forward_pass(capsys):
+    code, message = _validate(capsys, "model.args.num_heads=5")
+    assert code == EXIT_INVALID_INPUT
+    assert "'num_heads': 5" in message and "forward pass fails" in message
+
+
+def test_a_valid_model_is_built_and_run(capsys):
+    assert main(["config", "validate", "--config", "smoke"]) == EXIT_OK
+    assert "builds and runs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,key", [
+    ("optim.lr=1e400", "optim.lr"),
+    ("optim.weight_decay=.inf", "optim.weight_decay"),
+    ("optim.weight_decay=.nan", "optim.weight_decay"),
+    ("optim.schedule.min_lr=-.inf", "optim.schedule.min_lr"),
+    ("data.crop_scale=[.nan, 1.0]", "data.crop_scale"),
+    ("data.augment.mixup_alpha=.inf", "data.augment.mixup_alpha"),
+    ("model.args.svpn_alpha=.inf", "model.args"),
+], ids=["lr_1e400", "weight_decay_inf", "weight_decay_nan", "min_lr_minus_inf", "nan_in_a_tuple", "mixup_inf",
+        "inf_in_model_args"])
+def test_a_non_finite_float_anywhere_exits_2_naming_its_key(capsys, override, key):
+    code, message = _validate(capsys, override)
+    assert code == EXIT_INVALID_INPUT
+    assert key in message and ("finite" in message)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("run.seed=4294967296", "run.seed"),
+    ("tune.seed=99999999999999999999", "tune.seed"),
+    ("optim.micro_batch_size=9223372036854775808", "optim.micro_batch_size"),
+    ("optim.epochs=3000000000", "optim.epochs"),
+    ("model.args.depth=9223372036854775808", "model.args"),
+], ids=["seed_past_uint32", "tune_seed_past_int64", "batch_past_int64", "epochs_past_int32", "huge_int_in_model_args"])
+def test_an_integer_too_large_for_the_loaders_exits_2_naming_the_bound(capsys, override, key):
+    code, message = _validate(capsys, override)
+    assert code == EXIT_INVALID_INPUT
+    assert key in message and "2147483647" in message
+
+
+def test_the_largest_allowed_seed_is_accepted():
+    assert load_config("smoke", ["run.seed=2147483647"]).run.seed == 2**31 - 1
+
+
+def test_quasi_random_order_with_several_workers_is_refused_before_any_worker_exists():
+    with pytest.raises(ConfigError, match="quasi_random.*scaling.num_workers=2"):
+        load_config("smoke", ["data.order=quasi_random", "scaling.num_workers=2"])
+
+
+def test_quasi_random_order_on_one_worker_is_accepted():
+    assert load_config("smoke", ["data.order=quasi_random", "scaling.num_workers=1"]).data.order == "quasi_random"
+
+
+@pytest.mark.parametrize("key", ["run.storage_path", "tune.storage_path", "data.cache_dir", "data.train"])
+def test_a_location_below_an_existing_file_exits_2_and_creates_nothing(tmp_path, capsys, key):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, message = _validate(capsys, f"{key}={blocker / 'below' / 'x.beton'}")
+    assert code == EXIT_INVALID_INPUT
+    assert key in message and f"{str(blocker)!r} is a file" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("key", ["run.storage_path", "tune.storage_path", "data.cache_dir"])
+def test_a_directory_location_that_is_an_existing_file_exits_2(tmp_path, capsys, key):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, message = _validate(capsys, f"{key}={blocker}")
+    assert code == EXIT_INVALID_INPUT
+    assert key in message and "a directory is needed" in message
