@@ -21,6 +21,8 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
+from pipeline.uris import redact
+
 MARK = "\x1evitsweep\x1e "  # prefix of vitsweep's own lines printed inside Ray processes
 PROGRESS = "progress "  # after MARK: a progress line, redrawn in place on a terminal
 LOG_FILE_NAME = "vitsweep.log"
@@ -82,7 +84,7 @@ class Console:
     def line(self, text: str) -> None:
         with self._lock:
             self._end_live()
-            self.stream.write(text + "\n")
+            self.stream.write(redact(text) + "\n")
             self.stream.flush()
 
     def progress(self, text: str) -> None:
@@ -118,9 +120,9 @@ class Console:
             self.log, self.log_path = log, path
 
     def write(self, text: str) -> None:
-        """File-like, for the libraries' logging handler."""
+        """File-like, for the libraries' logging handler; no credential of a URI reaches the file."""
         with self._lock:
-            self.log.write(text)
+            self.log.write(redact(text))
 
     def flush(self) -> None:
         self.log.flush()
@@ -130,7 +132,7 @@ class Console:
         if self.verbose:
             with self._lock:
                 self._end_live()
-                self.stream.write((text if self.terminal else _ANSI.sub("", text)).rstrip("\n") + "\n")
+                self.stream.write(redact(text if self.terminal else _ANSI.sub("", text)).rstrip("\n") + "\n")
                 self.stream.flush()
 
     def capture_libraries(self) -> None:

@@ -31,8 +31,12 @@ def build_model(cfg: ModelConfig, num_classes: int, device: str | torch.device |
         raise ConfigError(f"model.name={cfg.name!r} with model.args={cfg.args!r} cannot be built: {err}") from None
 
 
-def model_problem(cfg: ModelConfig, num_classes: int = 1000) -> str | None:
-    """Why this model section cannot train, or None: built *and* run on the meta device (shapes only).
+class _Unbuildable(Exception):
+    """Why a model section cannot train (a message without the section, shown beside the knobs)."""
+
+
+def _checked_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """The model on the meta device, built *and* run (shapes only, no memory, no compute).
 
     The build catches bad arguments (``svpn_alpha=1.5``, an unknown ``code_sise``); the forward
     pass the constraints a constructor cannot see (``num_heads=5`` not dividing the channels, an
@@ -42,14 +46,25 @@ def model_problem(cfg: ModelConfig, num_classes: int = 1000) -> str | None:
         module = build_model(cfg, num_classes, device="meta")
     except Exception as err:  # noqa: BLE001  (timm's constructors also assert; any failure is a bad config)
         # build_model's message repeats the whole model section; callers show the knobs beside it.
-        return f"{cfg.name} cannot be built: {str(err).partition(' cannot be built: ')[2] or _reason(err)}"
+        raise _Unbuildable(f"{cfg.name} cannot be built: "
+                           f"{str(err).partition(' cannot be built: ')[2] or _reason(err)}") from None
     try:
         with torch.no_grad():
             module.eval()(torch.empty(2, 3, cfg.img_size, cfg.img_size, device="meta"))
     except NotImplementedError:
-        return None  # an op without a meta kernel: the successful build is the whole check
+        pass  # an op without a meta kernel: the successful build is the whole check
     except Exception as err:  # noqa: BLE001
-        return f"{cfg.name} builds but its forward pass fails at img_size={cfg.img_size}: {_reason(err)}"
+        raise _Unbuildable(f"{cfg.name} builds but its forward pass fails at img_size={cfg.img_size}: "
+                           f"{_reason(err)}") from None
+    return module.train()
+
+
+def model_problem(cfg: ModelConfig, num_classes: int = 1000) -> str | None:
+    """Why this model section cannot train, or None (see ``checked_model``)."""
+    try:
+        _checked_model(cfg, num_classes)
+    except _Unbuildable as err:
+        return str(err)
     return None
 
 
@@ -57,12 +72,16 @@ def _reason(err: Exception) -> str:
     return str(err) or type(err).__name__
 
 
-def check_model(cfg: ModelConfig, num_classes: int = 1000) -> int:
-    """Raise a ConfigError naming ``model.*`` unless the model builds and runs (on the meta device,
-    no memory, no compute); returns its parameter count."""
-    problem = model_problem(cfg, num_classes)
-    if problem:
+def checked_model(cfg: ModelConfig, num_classes: int = 1000) -> nn.Module:
+    """The model on the meta device, built and run once; a ConfigError naming ``model.*`` if it cannot train."""
+    try:
+        return _checked_model(cfg, num_classes)
+    except _Unbuildable as err:
         raise ConfigError(
-            f"model.name={cfg.name!r}, model.img_size={cfg.img_size}, model.args={cfg.args!r}: {problem}"
-        )
-    return sum(p.numel() for p in build_model(cfg, num_classes, device="meta").parameters())
+            f"model.name={cfg.name!r}, model.img_size={cfg.img_size}, model.args={cfg.args!r}: {err}"
+        ) from None
+
+
+def check_model(cfg: ModelConfig, num_classes: int = 1000) -> int:
+    """Raise a ConfigError naming ``model.*`` unless the model builds and runs; returns its parameter count."""
+    return sum(p.numel() for p in checked_model(cfg, num_classes).parameters())

@@ -36,16 +36,16 @@ from safetensors.torch import load_model
 import models
 from models.measure import count_gmacs, count_params, params_by_module
 from pipeline import uris
-from pipeline.checkpointing import EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_same_model, model_identity, read_meta
+from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
+                                    checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config import ExperimentConfig, ModelConfig
-from pipeline.data.integrity import check_beton
+from pipeline.data.integrity import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
-from pipeline.data.staging import read_location_sidecar
 from pipeline.distillation import build_teacher
 from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
-from pipeline.modeling import build_model
+from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin)
 from pipeline.worker import WorkerPlan, train_worker
@@ -77,8 +77,8 @@ class ModelFacts:
 
     @classmethod
     def measure(cls, cfg: ModelConfig, num_classes: int) -> ModelFacts:
-        """Raises ConfigError when the model cannot be built with these overrides."""
-        model = build_model(cfg, num_classes, device="meta")
+        """Raises ConfigError when the model cannot be built or run with these overrides."""
+        model = checked_model(cfg, num_classes)
         params = count_params(model)
         lines = [f"{cfg.name} {cfg.args} img_size={cfg.img_size} num_classes={num_classes}",
                  f"total parameters: {params:,}", ""]
@@ -127,8 +127,7 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
     prepare_offline_data(cfg)
     sidecars = {}
     for split in ("train", "val"):
-        location = getattr(cfg.data, split)
-        sidecars[split] = read_location_sidecar(location) if uris.is_uri(location) else check_beton(location)
+        sidecars[split] = verify_dataset(getattr(cfg.data, split))  # every byte, before any worker reads one
     if sidecars["train"].num_classes != sidecars["val"].num_classes:
         raise InvalidInputError(
             f"data.train has {sidecars['train'].num_classes} classes but data.val has "
@@ -162,13 +161,17 @@ def remove_unregistered_checkpoints(run: CheckedRun) -> None:
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
-    """A run restarted under the same name resumes its latest checkpoint: it must be this model's."""
+    """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
+    named and skipped; none intact is bad input): it must be this model's."""
     if not (run_dir / CHECKPOINT_SNAPSHOT).exists():
         return
-    checkpoint = Result.from_path(str(run_dir)).checkpoint
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            check_same_model(read_meta(directory), model_identity(cfg.model, num_classes), directory)
+    intact = check_run_checkpoints(run_dir)
+    if intact is None:
+        return
+    newest = checkpoints_newest_first(run_dir)[0]
+    if intact != newest:
+        active_console().line(f"warning: checkpoint {newest} is corrupt (see the log); resuming from {intact.name}")
+    check_same_model(read_meta(intact), model_identity(cfg.model, num_classes), str(intact))
 
 
 def check_rerun(run_dir: Path, cfg: ExperimentConfig, tracking_uri: str) -> None:

@@ -14,14 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.checkpointing import (load_checkpoint, model_identity, save_checkpoint, save_final_weights,
-                                    use_weights_only_loading)
+from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
+                                    save_final_weights, use_weights_only_loading)
 from pipeline.config import ExperimentConfig
 from pipeline.console import say_progress
 from pipeline.data.augment import BatchAugment
@@ -130,13 +131,17 @@ class Trainer:
         self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
         self.loss = build_training_loss(cfg, self.augment, num_classes, self.device)
 
-        # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run).
+        # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run);
+        # a corrupt one is skipped for the newest intact one beside it (local storage), never retried.
         self.start_epoch = 0
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
             with checkpoint.as_directory() as directory:
-                self.start_epoch = load_checkpoint(self.engine, Path(directory), identity=self.identity,
-                                                   rank=self.rank, ema=self.ema)
+                local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+                chosen = checkpoint_to_resume(directory, Path(checkpoint.path).parent if local else None)
+                if chosen is not None:
+                    self.start_epoch = load_checkpoint(self.engine, chosen, identity=self.identity, rank=self.rank,
+                                                       ema=self.ema)
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
     def _monitor_node(self, node_rank: int) -> None:

@@ -9,6 +9,7 @@ import sys
 
 from pipeline.cli import compare, config, data, doctor, models, train, tune
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
+from pipeline.uris import redact
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID_INPUT = 0, 1, 2
 
@@ -38,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or EXIT_OK)
     except InvalidInputError as err:
-        print(f"vitsweep {args.command}: {err}", file=sys.stderr)
+        print(redact(f"vitsweep {args.command}: {err}"), file=sys.stderr)
         return EXIT_INVALID_INPUT
     except AlreadyFinished as done:
-        print(f"vitsweep {args.command}: {done}")
+        print(redact(f"vitsweep {args.command}: {done}"))
         return EXIT_OK
     except RunFailed as err:
-        print(f"vitsweep {args.command}: {err}", file=sys.stderr)
+        print(redact(f"vitsweep {args.command}: {err}"), file=sys.stderr)
         return EXIT_FAILURE
     except Interrupted as stop:
         print(f"vitsweep {args.command}: interrupted by {stop.signal_name}; the MLflow run is marked KILLED; run the "

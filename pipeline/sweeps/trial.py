@@ -23,7 +23,8 @@ from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError
 from pipeline.metrics import DIVERGED_KEY
 from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
-from pipeline.sweeps.planning import model_problem, resolve_trial
+from pipeline.modeling import model_problem
+from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, open_child_run
 
