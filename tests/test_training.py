@@ -57,7 +57,8 @@ def test_the_console_carries_only_vitsweeps_own_lines_and_the_log_file_the_rest(
     storage, result = two_epoch_run
     console = result.stdout + result.stderr
     assert not [noise for noise in LIBRARY_NOISE if noise in console], console[-3000:]
-    assert all(line.startswith(("training e2e", "epoch ", "finished e2e", "  ")) or not line.strip()
+    assert all(line.startswith(("writing the offline digits", "training e2e", "epoch ", "finished e2e", "  "))
+               or not line.strip()
                for line in result.stdout.splitlines()), result.stdout
     log = (storage / "e2e" / "vitsweep.log").read_text()
     assert f"library output in {storage / 'e2e' / 'vitsweep.log'}" in result.stdout

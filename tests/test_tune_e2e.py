@@ -69,6 +69,30 @@ def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout
 
 
+SWEEP_NOISE = ("TrainingReport(", "Checkpoint successfully created", "built successfully", "No CUDA runtime",
+               "PreemptionWatcher", "core_worker", "TensorBoard", "Configuration for experiment", "Trial status",
+               "Token authentication", "\x1b[")
+
+
+def test_the_sweeps_console_is_its_own_table_without_library_noise(asha_sweep):
+    storage, result = asha_sweep
+    console = result.stdout + result.stderr
+    assert not [noise for noise in SWEEP_NOISE if noise in console], console[-4000:]
+    assert re.search(r"^trial \w+ \(lr=0\.002\): epoch 1/3  val_top1 [\d.]+$", result.stdout, re.M)
+    assert re.search(r"^trial \w+ \(lr=1e-07\): stopped early after epoch 1$", result.stdout, re.M)
+    assert "TrainController" in (storage / "asha" / "vitsweep.log").read_text()
+
+
+def test_each_trial_carries_its_knobs_as_short_params_and_the_sweep_a_saved_view(asha_sweep):
+    client, (parent,), children = _runs(asha_sweep[0])
+    assert all(run.data.params["lr"] == run.data.params["optim.lr"] for run in children.values())
+    experiment = client.get_experiment(parent.info.experiment_id)
+    view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.vitsweep-asha"])["state"])
+    assert view["selectedColumns"][:2] == ["params.`lr`", "metrics.`val_top1`"]
+    assert parent.info.run_id in view["searchFilter"]
+    assert "lr" in parent.data.tags["mlflow.note.content"]
+
+
 def test_mlflow_holds_one_parent_run_and_a_nested_child_per_trial(asha_sweep):
     _, parents, children = _runs(asha_sweep[0])
     assert len(parents) == 1 and len(children) == 4

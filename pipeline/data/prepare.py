@@ -10,6 +10,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from pipeline.config import DataConfig, ExperimentConfig
+from pipeline.console import active_console
 from pipeline.data.sidecar import WriteOptions, sidecar_path
 from pipeline.data.sources import DigitsSource
 from pipeline.data.writing import write_beton
@@ -38,7 +39,10 @@ def prepare_digits(data: DataConfig, img_size: int, num_workers: int | None = No
                     "sidecar (not written by vitsweep); remove it or unset data.prepare"
                 )
             if not path.exists():
-                write_beton(DigitsSource(split, img_size), path, WriteOptions(write_mode="raw"), num_workers=num_workers)
+                source = DigitsSource(split, img_size)
+                active_console().line(f"writing the offline digits dataset, {split} split: {len(source)} images at "
+                                      f"{img_size} px -> {path}")
+                write_beton(source, path, WriteOptions(write_mode="raw"), num_workers=num_workers)
         written.append(path)
     return written[0], written[1]
 

@@ -55,7 +55,7 @@ class SweepReportCallback(TuneReportCallback):
         reported = metrics[0]
         if reported.get(DIVERGED_KEY):
             return
-        super().after_report(run_context, [{**reported, EPOCHS_DONE: int(reported["epoch"]) + 1}, *metrics[1:]],
+        super().after_report(run_context, [{**reported, EPOCHS_DONE: int(reported["epoch"])}, *metrics[1:]],
                              checkpoint)
 
 
