@@ -147,3 +147,11 @@ def configure_gpu_math(tf32: bool) -> None:
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision
     torch.backends.cudnn.benchmark = True  # every batch has the same shape: tune each conv once
+
+
+def prepare_gpu_worker(tf32: bool) -> str:
+    """What each GPU worker runs first, before any CUDA allocation: ``check_gpu_node()`` (fails with
+    the versions and the fix) and ``configure_gpu_math(tf32)``. Returns the node's summary line."""
+    summary = check_gpu_node()
+    configure_gpu_math(tf32)
+    return summary

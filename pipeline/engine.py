@@ -94,3 +94,13 @@ def _batchnorm_leave_fp32(module: nn.Module, args: tuple, output: torch.Tensor) 
     dtype, weight, bias = entered
     module._parameters["weight"], module._parameters["bias"] = weight, bias
     return output.to(dtype)
+
+
+def compile_engine(engine, cfg: ExperimentConfig) -> bool:
+    """``torch.compile`` the engine's model (DeepSpeed's ``engine.compile()``, inductor) when
+    ``deepspeed.compile`` asks for it; True when compiled. Call after ``deepspeed.initialize`` and
+    ``keep_batchnorm_in_fp32``; the first steps then pay the compile (benchmarks/RESULTS.md)."""
+    if not cfg.deepspeed.compile:
+        return False
+    engine.compile()
+    return True
