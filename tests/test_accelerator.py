@@ -1,8 +1,8 @@
 """pipeline/accelerator.py: the NVIDIA driver against torch's CUDA build (with the real strings
 nvidia-smi and /proc print), `vitsweep doctor` failing a GPU config on a node without usable GPUs,
 the peak TFLOP/s table and MFU, and the GPU math settings."""
-import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,3 +108,16 @@ def test_gpu_math_sets_matmul_and_conv_fp32_precision_and_cudnn_autotuning(tf32,
     assert torch.backends.cuda.matmul.fp32_precision == mode
     assert torch.backends.cudnn.conv.fp32_precision == mode
     assert torch.backends.cudnn.benchmark is True
+
+
+def test_a_gpu_worker_without_usable_gpus_stops_before_changing_the_math_settings():
+    # A fresh process with no GPU visible (none here; hidden on a GPU machine), as a worker starts.
+    script = ("import torch\n"
+              "from pipeline.accelerator import GpuUnavailableError, prepare_gpu_worker\n"
+              "try:\n    prepare_gpu_worker(tf32=True)\n"
+              "except GpuUnavailableError as err:\n    print('refused:', err)\n"
+              "print('matmul', torch.backends.cuda.matmul.fp32_precision)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**vitsweep_env(), "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert "refused: " in result.stdout and "matmul none" in result.stdout
