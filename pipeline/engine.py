@@ -9,8 +9,7 @@ from torch import nn
 
 from pipeline.config import ExperimentConfig
 
-# BatchNorm's running statistics, by buffer name: kept fp32 under bf16/fp16 (DeepSpeed's
-# data_types.keep_in_fp32_modules matches these anywhere in a buffer's name).
+# BatchNorm's running statistics: fp32 under bf16/fp16 (keep_batchnorm_in_fp32).
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
 # ZeRO's gradient reduce / parameter all-gather bucket, in elements: PyTorch DDP's 25 MB of fp32.
 # A 5-90 M parameter model then reduces in 1-15 buckets, each sent while backward computes the next.
@@ -46,10 +45,9 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0},  # 0: dynamic scaling
-        # DeepSpeed >= 0.19 casts parameters only: cast floating buffers with them, except
-        # BatchNorm's running statistics, which drift in bf16 (keep_batchnorm_in_fp32 runs BN in fp32).
-        **({"data_types": {"buffer_dtype": precision, "keep_in_fp32_modules": list(BATCHNORM_STATISTICS)}}
-           if precision != "fp32" else {}),
+        # DeepSpeed >= 0.19 casts parameters only: cast floating buffers with them (a bf16 model
+        # meets no fp32 buffer); keep_batchnorm_in_fp32 then returns BN's running statistics to fp32.
+        **({"data_types": {"buffer_dtype": precision}} if precision != "fp32" else {}),
         "steps_per_print": 10**9,  # progress is ours to report, once per epoch
         "wall_clock_breakdown": False,
     }
@@ -61,8 +59,10 @@ def keep_batchnorm_in_fp32(model: nn.Module) -> int:
 
     In bf16 a running variance near 1 moves in steps of 2^-7, larger than a momentum-0.1 update, so
     it stops short of the batch statistics (XCiT's conv stem and LPI, SoT's DenseNet embedding).
-    The running statistics stay fp32; each forward casts the input up, reads weight and bias as fp32
-    (their master copies are fp32 in DeepSpeed's optimizer anyway) and casts the output back.
+    The running statistics go back to fp32 (DeepSpeed cast them with the buffers; their initial 0 and
+    1 are exact in bf16, and a checkpoint loaded afterwards fills the fp32 tensors). Each forward casts
+    the input up, reads weight and bias as fp32 (their master copies are fp32 in DeepSpeed's optimizer
+    anyway) and casts the output back.
     """
     count = 0
     for module in model.modules():
