@@ -27,6 +27,7 @@ MIN_DRIVER_FOR_CUDA: dict[int, tuple[int, ...]] = {
 }
 
 PROC_DRIVER_VERSION = Path("/proc/driver/nvidia/version")  # the loaded kernel module, also inside containers
+GKE_NVIDIA_BIN = "/usr/local/nvidia/bin"  # where GKE's device plugin mounts nvidia-smi (not on PATH)
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per math mode, from NVIDIA's datasheets. Keys are matched
 # against torch.cuda.get_device_name() in order, so the specific names come before the general ones.
@@ -59,8 +60,9 @@ def installed_driver_version() -> str | None:
     if PROC_DRIVER_VERSION.is_file():
         first_line = PROC_DRIVER_VERSION.read_text().splitlines()[0]
         return ".".join(map(str, parse_driver_version(first_line)))
-    if shutil.which("nvidia-smi"):
-        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+    nvidia_smi = shutil.which("nvidia-smi") or shutil.which("nvidia-smi", path=GKE_NVIDIA_BIN)
+    if nvidia_smi:
+        result = subprocess.run([nvidia_smi, "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=60)
         if result.returncode == 0 and result.stdout.strip():
             return ".".join(map(str, parse_driver_version(result.stdout.splitlines()[0])))
@@ -98,19 +100,21 @@ def check_gpu_node() -> str:
         raise GpuUnavailableError(
             f"torch {torch.__version__} is a CPU-only build; install the CUDA wheel (constraints.txt's torch)")
     driver = installed_driver_version()
-    if driver is None:
-        raise GpuUnavailableError(
-            f"no NVIDIA driver on this node (no {PROC_DRIVER_VERSION}, no nvidia-smi) for torch's CUDA {cuda}; "
-            f"GPU nodes need driver >= {'.'.join(map(str, minimum_driver(cuda)))} "
-            "and the container started with the GPUs (`--gpus all`, or a nvidia.com/gpu resource on Kubernetes)")
-    check_driver_supports(cuda, driver)
+    if driver is not None:
+        check_driver_supports(cuda, driver)
     if not torch.cuda.is_available():
+        if driver is None:
+            raise GpuUnavailableError(
+                f"CUDA available: False and no NVIDIA driver found (no {PROC_DRIVER_VERSION}, no nvidia-smi) for "
+                f"torch's CUDA {cuda}; GPU nodes need driver >= {'.'.join(map(str, minimum_driver(cuda)))} and "
+                "the container started with the GPUs (`--gpus all`, or a nvidia.com/gpu resource on Kubernetes)")
         raise GpuUnavailableError(
             f"CUDA available: False with NVIDIA driver {driver} and torch's CUDA {cuda}: no GPU is visible to this "
             "process (CUDA_VISIBLE_DEVICES, or the container was started without its GPUs)")
+    # No readable version but CUDA initialises (a driver too old for the runtime would not): usable.
     count = torch.cuda.device_count()
     names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
-    return f"NVIDIA driver {driver} runs torch's CUDA {cuda}; {count} GPU(s): {names}"
+    return f"NVIDIA driver {driver or '(version unreadable)'} runs torch's CUDA {cuda}; {count} GPU(s): {names}"
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
