@@ -121,7 +121,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     from pipeline.config import load_config
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader
-    from pipeline.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
+    from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
@@ -142,7 +142,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     compile_engine(engine, cfg)
     augment = BatchAugment(cfg.data.augment, NUM_CLASSES, device)
     criterion = augment.loss()
-    input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.deepspeed.precision]
+    dtype = input_dtype(cfg)
 
     def batches():
         while True:
@@ -150,7 +150,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
 
     def step(images, labels) -> None:
         images, targets = augment(images, labels)
-        loss = criterion(engine(images.to(input_dtype)).float(), targets)
+        loss = criterion(engine(images.to(dtype)).float(), targets)
         engine.backward(loss)
         engine.step()
 

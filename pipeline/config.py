@@ -7,8 +7,11 @@ Defaults follow the DeiT recipe the papers train with.
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import re
 from pathlib import Path
+import typing
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -16,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipeline import uris
 from pipeline.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -362,18 +366,12 @@ class ExperimentConfig(_Section):
 
     def with_absolute_paths(self) -> ExperimentConfig:
         """A copy whose local paths are absolute: Ray workers run in another working directory."""
-
-        def absolute(location: str | None) -> str | None:
-            if location is None or "://" in location:  # URIs (s3://, gs://, file://) stay as they are
-                return location
-            return str(Path(location).expanduser().resolve())
-
-        distill = self.distill.model_copy(update={"teacher_checkpoint": absolute(self.distill.teacher_checkpoint)})
-        data = self.data.model_copy(update={
-            "train": absolute(self.data.train), "val": absolute(self.data.val), "cache_dir": absolute(self.data.cache_dir),
-        })
-        run = self.run.model_copy(update={"storage_path": absolute(self.run.storage_path)})
-        return self.model_copy(update={"data": data, "run": run, "distill": distill})
+        distill = self.distill.model_copy(update={"teacher_checkpoint": uris.absolute(self.distill.teacher_checkpoint)})
+        data = self.data.model_copy(update={key: uris.absolute(getattr(self.data, key))
+                                            for key in ("train", "val", "cache_dir")})
+        run = self.run.model_copy(update={"storage_path": uris.absolute(self.run.storage_path)})
+        tune = self.tune.model_copy(update={"storage_path": uris.absolute(self.tune.storage_path)})
+        return self.model_copy(update={"data": data, "run": run, "distill": distill, "tune": tune})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -418,37 +416,122 @@ def _read_yaml(source: str) -> dict[str, Any]:
     return tree
 
 
-def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """``optim.lr=1e-3`` -> (["optim", "lr"], 0.001). Values are read as YAML scalars/lists."""
+# YAML 1.1 reads 1e-3 (no dot) as a string; a learning rate should be a number.
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def yaml_number(value: Any) -> Any:
+    """``value`` with scientific-notation strings read as floats, in lists and mappings too."""
+    if isinstance(value, str) and _SCIENTIFIC.match(value.strip()):
+        return float(value)
+    if isinstance(value, list):
+        return [yaml_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: yaml_number(v) for k, v in value.items()}
+    return value
+
+
+def parse_override(assignment: str) -> tuple[str, Any]:
+    """``optim.lr=1e-3`` -> ("optim.lr", 0.001). Values are read as YAML scalars/lists."""
     key, sep, raw = assignment.partition("=")
-    if not sep or not key.strip():
+    key = key.strip()
+    if not sep or not key:
         raise ConfigError(f"override {assignment!r} must look like section.key=value")
-    path = key.strip().split(".")
-    if any(not part for part in path):
+    if any(not part for part in key.split(".")):
         raise ConfigError(f"override key {key!r} has an empty part")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; numbers should be numbers
-        try:
-            value = float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            pass
-    return path, value
+    return key, yaml_number(value)
+
+
+def get_dotted(tree: dict[str, Any], key: str, default: Any = None) -> Any:
+    """The value at dotted ``key`` of a config tree (``key.N``: list element N), else ``default``."""
+    node: Any = tree
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return default
+    return node
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in a config tree in place, creating sections on the way; ``key.N`` sets
+    element N of a list-valued key (``model.args.mha_ratio_range.0``)."""
+    head, _, tail = key.rpartition(".")
+    if head and tail.isdigit() and not isinstance(get_dotted(tree, head), dict):
+        current = get_dotted(tree, head)
+        elements = list(current) if isinstance(current, (list, tuple)) else []
+        elements += [None] * (int(tail) + 1 - len(elements))
+        elements[int(tail)] = value
+        key, value = head, elements
+    parts = key.split(".")
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def with_dotted(tree: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``tree`` with each dotted key of ``values`` set."""
+    tree = copy.deepcopy(tree)
+    for key, value in values.items():
+        set_dotted(tree, key, value)
+    return tree
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for assignment in overrides:
-        path, value = parse_override(assignment)
-        node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {assignment!r}: {'.'.join(path[:-1])} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        key, value = parse_override(assignment)
+        try:
+            set_dotted(tree, key, value)
+        except ConfigError as err:
+            raise ConfigError(f"override {assignment!r}: {str(err).partition(': ')[2]}") from None
     return tree
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def schema_problem(key: str) -> str | None:
+    """Why dotted ``key`` names no value of the experiment config (valid keys listed), else None.
+
+    ``model.args.<name>`` names a model constructor argument (checked by building the model); a
+    trailing ``.N`` names element N of a tuple-valued key.
+    """
+    parts = key.split(".")
+    if any(not part for part in parts):
+        return f"{key!r} has an empty part; keys look like optim.lr or model.args.code_size"
+    section: type[BaseModel] = ExperimentConfig
+    for depth, part in enumerate(parts):
+        fields = section.model_fields
+        if part not in fields:
+            prefix = ".".join(parts[:depth])
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" (did you mean {'.'.join([*parts[:depth], close[0]])!r}?)" if close else ""
+            return f"{key!r} is not a config key{hint}; valid keys under {prefix or 'the config'}: {', '.join(fields)}"
+        annotation = fields[part].annotation
+        if _is_section(annotation):
+            section = annotation
+            continue
+        rest, here = parts[depth + 1:], ".".join(parts[:depth + 1])
+        if typing.get_origin(annotation) is dict:  # model.args: the model's constructor arguments
+            if not rest or not rest[0].isidentifier() or not all(p.isdigit() for p in rest[1:]):
+                return (f"{key!r} must name one argument under {here}, e.g. {here}.code_size "
+                        "(a trailing .N sets list element N)")
+            return None
+        if rest and not (len(rest) == 1 and rest[0].isdigit() and typing.get_origin(annotation) in (tuple, list)):
+            return f"{key!r}: {here} is a value, not a section"
+        return None
+    return f"{key!r} is a whole section; name one of its keys: {', '.join(f'{key}.{name}' for name in section.model_fields)}"
 
 
 def _section_keys(loc: tuple[Any, ...]) -> list[str]:
@@ -456,23 +539,29 @@ def _section_keys(loc: tuple[Any, ...]) -> list[str]:
     section: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
         field = section.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if field is None or not _is_section(field.annotation):
             return []
         section = field.annotation
     return list(section.model_fields)
 
 
-def _describe(error: dict[str, Any]) -> str:
-    key = ".".join(str(part) for part in error["loc"]) or "<config>"
+def describe_error(error: dict[str, Any], key: str, valid_keys: list[str]) -> str:
+    """One pydantic error as a line naming the key, the value and what is allowed (configs, search spaces)."""
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        valid = _section_keys(error["loc"])
-        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
+        close = difflib.get_close_matches(key.rpartition(".")[2], valid_keys, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"{key}: unknown key{hint}; valid keys here: {', '.join(valid)}"
+        return f"{key}: unknown key{hint}; valid keys here: {', '.join(valid_keys)}"
+    if error["type"] == "missing":
+        return f"{key}: missing; it is required"
     if error["type"] == SECRET_VALUE_ERROR:
         return f"{key}: {message}"
     return f"{key} = {error['input']!r}: {message}"
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"]) or "<config>"
+    return describe_error(error, key, _section_keys(error["loc"]))
 
 
 def validate(tree: dict[str, Any]) -> ExperimentConfig:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import timm
 import torch
+from safetensors.torch import load_model
+from timm.task.distillation import DistillationTeacher
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,8 +21,6 @@ def load_teacher_weights(model: nn.Module, checkpoint: str) -> None:
         raise InvalidInputError(f"distill.teacher_checkpoint={checkpoint!r} does not exist")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_model
-
             load_model(model, str(path))
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -33,8 +33,6 @@ def load_teacher_weights(model: nn.Module, checkpoint: str) -> None:
 
 def build_teacher(cfg: DistillConfig, num_classes: int, device: torch.device | str = "cpu"):
     """The frozen teacher wrapped by timm's DistillationTeacher (it bridges input normalisations)."""
-    from timm.task.distillation import DistillationTeacher
-
     model = timm.create_model(cfg.teacher, num_classes=num_classes, **cfg.teacher_args)
     load_teacher_weights(model, cfg.teacher_checkpoint)
     teacher = DistillationTeacher(model.to(device), device=torch.device(device))
@@ -54,8 +52,13 @@ class HardDistillationLoss(nn.Module):
         self.register_buffer("student_mean", torch.tensor(data.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("student_std", torch.tensor(data.std).view(1, 3, 1, 1), persistent=False)
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    def teacher_labels(self, images: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             teacher_input = self.teacher.normalize_input(images.float(), self.student_mean, self.student_std)
-            teacher_labels = self.teacher(teacher_input).argmax(dim=-1)
+            return self.teacher(teacher_input).argmax(dim=-1)
+
+    def mix(self, logits: torch.Tensor, targets: torch.Tensor, teacher_labels: torch.Tensor) -> torch.Tensor:
         return (1 - self.alpha) * self.task_loss(logits, targets) + self.alpha * F.cross_entropy(logits, teacher_labels)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        return self.mix(logits, targets, self.teacher_labels(images))

@@ -53,6 +53,14 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
     }
 
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def input_dtype(cfg: ExperimentConfig) -> torch.dtype:
+    """The dtype the engine's model computes in, so the input batch must be cast to it."""
+    return PRECISION_DTYPES[cfg.deepspeed.precision]
+
+
 def keep_batchnorm_in_fp32(model: nn.Module) -> int:
     """Run every BatchNorm of ``model`` in fp32 inside a bf16/fp16 model, as autocast training does;
     returns how many. Call on ``engine.module`` after ``deepspeed.initialize`` (any precision).

@@ -5,6 +5,7 @@ import math
 
 import torch
 from timm.optim import param_groups_weight_decay
+from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
 from pipeline.config import OptimConfig
@@ -50,8 +51,6 @@ def build_scheduler(
 
 def build_ema(model: nn.Module, cfg: OptimConfig):
     """timm's EMA of ``model`` with an fp32 shadow (a bf16 shadow would lose decays near 1)."""
-    from timm.utils.model_ema import ModelEmaV3
-
     ema = ModelEmaV3(model, decay=cfg.ema_decay)
     ema.module.float()
     return ema

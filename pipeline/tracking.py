@@ -1,4 +1,10 @@
-"""MLflow tracking: where runs are recorded and whether that store can be reached."""
+"""MLflow tracking: where runs are recorded, and the one object every run is written through.
+
+``MlflowRun`` (a store URI, a run id, one client) is the only writer of runs: the driver opens or
+continues a training run's, Ray Train's controller logs each epoch into it (``MLflowEpochLogger``),
+and sweeps key their parent and child runs on top of it (``pipeline.sweeps.tracking``). Reports
+read through ``MlflowStore``. The store itself is resolved and checked here before any run starts.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +18,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import mlflow
+import mlflow.pytorch
+import numpy as np
+from mlflow.entities import Metric, Param, Run, RunTag
+from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from pipeline.config import ExperimentConfig, uri_password_problem
 from pipeline.errors import InvalidInputError
+from pipeline.metrics import DIVERGED_KEY
 
 DEFAULT_STORE_NAME = "mlflow.db"
+RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
+DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
@@ -61,8 +75,12 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str:
     return f"local store under {directory} ({'exists' if directory.exists() else 'will be created'})"
 
 
-DIVERGED_TAG = "diverged"  # the worker's report key, and the MLflow tag saying where the loss diverged
-RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
+def require_reachable(uri: str) -> None:
+    """``check_reachable`` as bad input (exit 2): checked before anything starts."""
+    try:
+        check_reachable(uri)
+    except ConnectionError as err:
+        raise InvalidInputError(str(err)) from None
 
 
 def is_local_store(uri: str) -> bool:
@@ -88,75 +106,139 @@ def check_logger_can_reach(uri: str, ray_address: str | None) -> None:
         )
 
 
-def experiment_id(client, experiment: str) -> str:
-    """The id of the named experiment, created (artifacts beside a local store) if it is new."""
-    found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return found.experiment_id
-    return client.create_experiment(experiment, artifact_location=local_artifact_root(client.tracking_uri))
+class MlflowStore:
+    """One MLflow store: its experiments and the runs in them (reading; runs are written by ``MlflowRun``)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.client = MlflowClient(uri)
+
+    def experiment_id(self, experiment: str) -> str:
+        """The id of the named experiment, created (artifacts beside a local store) if it is new."""
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            return found.experiment_id
+        return self.client.create_experiment(experiment, artifact_location=local_artifact_root(self.uri))
+
+    def find_experiment(self, experiment: str):
+        return self.client.get_experiment_by_name(experiment)
+
+    def experiment_names(self) -> list[str]:
+        return [e.name for e in self.client.search_experiments()]
+
+    def search(self, experiment_id: str, filter_string: str, order_by: list[str] | None = None,
+               max_results: int = 10000) -> list[Run]:
+        return self.client.search_runs([experiment_id], filter_string=filter_string, order_by=order_by,
+                                       max_results=max_results)
+
+    def create_run(self, experiment: str, run_name: str, tags: dict[str, str] | None = None) -> MlflowRun:
+        run_id = self.client.create_run(self.experiment_id(experiment), run_name=run_name, tags=tags or {}).info.run_id
+        return MlflowRun(self.uri, run_id, self.client)
+
+    def run(self, run_id: str) -> MlflowRun:
+        return MlflowRun(self.uri, run_id, self.client)
 
 
-def start_or_continue_run(uri: str, experiment: str, run_dir: Path, run_name: str,
-                          tags: dict[str, str] | None = None) -> str:
-    """The MLflow run id of this training run: the recorded one when the run restarts, else a new run."""
-    from mlflow.tracking import MlflowClient
+class MlflowRun:
+    """One MLflow run: every write to it, and what is read back from it."""
 
-    client = MlflowClient(uri)
-    record = run_dir / RUN_RECORD
-    if record.is_file():
-        saved = json.loads(record.read_text())
-        if saved["tracking_uri"] == uri:
-            client.update_run(saved["run_id"], status="RUNNING")
-            return saved["run_id"]
-    run_id = client.create_run(experiment_id(client, experiment), run_name=run_name, tags=tags or {}).info.run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"tracking_uri": uri, "run_id": run_id, "experiment": experiment}))
-    return run_id
+    def __init__(self, uri: str, run_id: str, client: MlflowClient | None = None):
+        self.uri, self.run_id = uri, run_id
+        self.client = client or MlflowClient(uri)
 
+    @classmethod
+    def open_or_continue(cls, uri: str, experiment: str, run_dir: Path, run_name: str,
+                         tags: dict[str, str] | None = None) -> MlflowRun:
+        """The MLflow run of this training run: the recorded one when the run restarts, else a new run."""
+        record = run_dir / RUN_RECORD
+        if record.is_file():
+            saved = json.loads(record.read_text())
+            if saved["tracking_uri"] == uri:
+                run = cls(uri, saved["run_id"])
+                run.set_running()
+                return run
+        run = MlflowStore(uri).create_run(experiment, run_name, tags)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"tracking_uri": uri, "run_id": run.run_id, "experiment": experiment}))
+        return run
 
-def log_run_setup(uri: str, run_id: str, cfg: ExperimentConfig, files: dict[str, str], facts: dict[str, Any],
+    # -- reading --------------------------------------------------------------------------------
+
+    def get(self) -> Run:
+        return self.client.get_run(self.run_id)
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return self.get().data.tags
+
+    def metric_history(self, key: str) -> list[Metric]:
+        return self.client.get_metric_history(self.run_id, key)
+
+    def artifact_names(self) -> list[str]:
+        return [artifact.path for artifact in self.client.list_artifacts(self.run_id)]
+
+    def read_artifact(self, name: str) -> str:
+        with tempfile.TemporaryDirectory() as directory:
+            return Path(self.client.download_artifacts(self.run_id, name, directory)).read_text()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def set_running(self) -> None:
+        self.client.update_run(self.run_id, status="RUNNING")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params not logged yet (MLflow params are immutable: a restart re-logs nothing)."""
+        logged = self.get().data.params
+        new = [Param(key, str(value)) for key, value in params.items() if key not in logged]
+        self.client.log_batch(self.run_id, params=new)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
+                                                    for key, value in metrics.items()])
+
+    def log_texts(self, files: dict[str, str], artifact_path: str | None = None) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            for name, text in files.items():
+                (Path(directory) / name).write_text(text)
+                self.log_artifact(Path(directory) / name, artifact_path)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_setup(self, cfg: ExperimentConfig, files: dict[str, str], facts: dict[str, Any],
                   tags: dict[str, str]) -> None:
-    """Params (every resolved config value under its dotted key), model facts, tags, setup artifacts."""
-    from mlflow.entities import Param, RunTag
-    from mlflow.tracking import MlflowClient
+        """Params (every resolved config value under its dotted key), model facts, tags, setup artifacts."""
+        params = {**cfg.flat(), **{f"model_facts.{key}": value for key, value in facts.items()}}
+        self.log_params(params)
+        self.set_tags(tags)
+        self.log_texts(files)
 
-    client = MlflowClient(uri)
-    logged = client.get_run(run_id).data.params
-    params = {key: str(value) for key, value in cfg.flat().items()}
-    params.update({f"model_facts.{key}": str(value) for key, value in facts.items()})
-    new = [Param(key, value) for key, value in params.items() if key not in logged]  # a restart re-logs nothing
-    client.log_batch(run_id, params=new, tags=[RunTag(k, v) for k, v in tags.items()])
-    with tempfile.TemporaryDirectory() as directory:
-        for name, text in files.items():
-            (Path(directory) / name).write_text(text)
-            client.log_artifact(run_id, str(Path(directory) / name))
+    def log_epoch(self, reported: dict[str, Any]) -> None:
+        """A worker's epoch report, one MLflow step per epoch."""
+        self.log_metrics({key: value for key, value in reported.items()
+                          if key != "epoch" and isinstance(value, (int, float))}, step=int(reported["epoch"]))
 
+    def mark_diverged(self, where: str) -> None:
+        self.client.set_tag(self.run_id, DIVERGED_TAG, where)
 
-def diverged_at(uri: str, run_id: str) -> str | None:
-    """'epoch E step S' where the run's loss diverged, if it did."""
-    from mlflow.tracking import MlflowClient
+    def diverged_at(self) -> str | None:
+        """'epoch E step S' where the run's loss diverged, if it did."""
+        return self.tags.get(DIVERGED_TAG)
 
-    return MlflowClient(uri).get_run(run_id).data.tags.get(DIVERGED_TAG)
+    def finish(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
 
-
-def finish_run(uri: str, run_id: str, status: str) -> None:
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(uri).set_terminated(run_id, status=status)
-
-
-def log_trained_model(uri: str, run_id: str, model, weights: Path, img_size: int) -> None:
-    """The final weights as safetensors, and the model via mlflow.pytorch (``load_model`` restores it)."""
-    import mlflow
-    import mlflow.pytorch
-    import numpy as np
-
-    client = mlflow.tracking.MlflowClient(uri)
-    client.log_artifact(run_id, str(weights))
-    example = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
-    with _fluent_tracking_uri(uri), mlflow.start_run(run_id=run_id):
-        # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
-        mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle")
+    def log_model(self, model, weights: Path, img_size: int) -> None:
+        """The final weights as safetensors, and the model via mlflow.pytorch (``load_model`` restores it)."""
+        self.log_artifact(weights)
+        example = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
+        with _fluent_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id):
+            # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
+            mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle")
 
 
 @contextlib.contextmanager
@@ -164,8 +246,6 @@ def _fluent_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent API (``log_model``) reads a process-global URI, and ``set_tracking_uri`` also
     exports it as MLFLOW_TRACKING_URI to every later subprocess: set both for the block only, then
     leave MLflow unset again (vitsweep's processes never set a global URI of their own)."""
-    import mlflow
-
     exported = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
@@ -182,26 +262,19 @@ class MLflowEpochLogger(UserCallback):
     Workers report already all-reduced metrics, so rank 0's dict is the run's.
     """
 
-    def __init__(self, uri: str, run_id: str, epochs: int):
-        self.uri, self.run_id, self.epochs = uri, run_id, epochs
+    def __init__(self, run: MlflowRun, epochs: int):
+        self.run, self.epochs = run, epochs
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
         reported = metrics[0]
-        if reported.get(DIVERGED_TAG):
+        if reported.get(DIVERGED_KEY):
             where = f"epoch {int(reported['epoch'])} step {int(reported['step'])}"
-            MlflowClient(self.uri).set_tag(self.run_id, DIVERGED_TAG, where)
+            self.run.mark_diverged(where)
             print(f"loss diverged at {where}: stopping", flush=True)
             return
-        epoch = int(reported["epoch"])
-        now = int(time.time() * 1000)
-        values = [Metric(key, float(value), now, epoch) for key, value in reported.items()
-                  if key != "epoch" and isinstance(value, (int, float))]
-        MlflowClient(self.uri).log_batch(self.run_id, metrics=values)
+        self.run.log_epoch(reported)
         print(
-            f"epoch {epoch + 1}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
+            f"epoch {int(reported['epoch']) + 1}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
             f"val_loss {reported['val_loss']:.4f}  val_top1 {reported['val_top1']:.2f}%  "
             f"val_top5 {reported['val_top5']:.2f}%  lr {reported['lr']:.2e}  "
             f"{reported['images_per_sec']:.0f} img/s  {reported['epoch_time_s']:.1f}s"
@@ -209,6 +282,3 @@ class MLflowEpochLogger(UserCallback):
             + ("  (resumed from a checkpoint)" if "resumed_at_epoch" in reported else ""),
             flush=True,
         )
-
-    def after_exception(self, run_context, worker_exceptions) -> None:
-        return None

@@ -1,4 +1,10 @@
-"""The Ray Train worker: what every rank runs. Reads like the recipe; details live in components."""
+"""The Ray Train worker: what every rank runs, read as the recipe (as torchtitan's ``train.py``).
+
+``Trainer.setup`` builds this rank's state (data shards, DeepSpeed engine, EMA, loss) and resumes
+a checkpoint; ``fit`` then runs, for each epoch, ``train_epoch`` (``train_step`` per batch),
+``evaluate`` and ``end_epoch`` (one report to Ray Train, with a checkpoint when one is due).
+The details live in the components it calls.
+"""
 from __future__ import annotations
 
 import tempfile
@@ -7,12 +13,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipeline.checkpointing import (load_checkpoint, model_identity, save_checkpoint, save_final_weights,
+                                    use_weights_only_loading)
 from pipeline.config import ExperimentConfig
-from pipeline.tracking import DIVERGED_TAG
+from pipeline.data.augment import BatchAugment
+from pipeline.data.loaders import build_train_loader, build_val_loader
+from pipeline.data.runtime import quiet_numba_finalizers
+from pipeline.data.staging import cache_dir_for, stage_dataset
+from pipeline.engine import deepspeed_config, input_dtype
+from pipeline.losses import build_training_loss
+from pipeline.metrics import DIVERGED_KEY, Tally
+from pipeline.modeling import build_model
+from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
 
 @dataclass(frozen=True)
@@ -27,128 +45,158 @@ class WorkerPlan:
         return {"config": self.config, "num_classes": self.num_classes, "launched_at": self.launched_at}
 
 
-def train_worker(plan_dict: dict[str, Any]) -> None:
-    import deepspeed
-    import ray.train
-    import ray.train.torch
+def train_worker(plan: dict[str, Any]) -> None:
+    """Ray Train's entry point on every rank."""
+    Trainer(WorkerPlan(**plan)).fit()
 
-    from pipeline.checkpointing import load_checkpoint, model_identity, save_checkpoint, save_final_weights
-    from pipeline.checkpointing import use_weights_only_loading
-    from pipeline.data.augment import BatchAugment
-    from pipeline.data.loaders import build_train_loader, build_val_loader
-    from pipeline.data.runtime import quiet_numba_finalizers
-    from pipeline.data.staging import cache_dir_for, stage_dataset
-    from pipeline.engine import deepspeed_config
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
-    plan = WorkerPlan(**plan_dict)
-    cfg = ExperimentConfig.model_validate(plan.config)
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
-    torch.manual_seed(cfg.run.seed + rank)
-    quiet_numba_finalizers()
+@dataclass
+class EpochStats:
+    loss_sum: float = 0.0  # the global (all-rank mean) loss, summed over steps
+    steps: int = 0
+    samples: int = 0  # over all ranks
+    seconds: float = 0.0
 
-    # Data: this node's copy of each dataset, this rank's shard of it.
-    cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)  # this node's own disk
-    train_loader = build_train_loader(
-        cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
-        device, distributed=world_size > 1, seed=cfg.run.seed,
-    )
-    val_loader = build_val_loader(
-        cfg.data, stage_dataset(cfg.data.val, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
-        device, distributed=world_size > 1,
-    )
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.steps, 1)
 
-    # Model and engine.
-    model = build_model(cfg.model, plan.num_classes)
-    optimizer = build_optimizer(model, cfg.optim)
-    steps_per_epoch = max(1, len(train_loader) // cfg.optim.grad_accum_steps)
-    scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, world_size),
-        dist_init_required=False,
-    )
-    use_weights_only_loading(engine)
-    identity = model_identity(cfg.model, plan.num_classes)
-    ema = build_ema(engine.module, cfg.optim) if cfg.optim.ema_decay is not None else None
 
-    # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run).
-    start_epoch = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            start_epoch = load_checkpoint(engine, Path(directory), identity=identity, rank=rank, ema=ema)
-    train_loader.next_epoch = start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
+class LossDiverged(Exception):
+    """The global loss of a step is NaN/inf: every rank sees the same sum and stops together."""
 
-    augment = BatchAugment(cfg.data.augment, plan.num_classes, device)
-    criterion = augment.loss()
-    distillation = None
-    if cfg.distill.teacher is not None:
-        from pipeline.distillation import HardDistillationLoss, build_teacher
+    def __init__(self, step: int):
+        super().__init__(f"loss diverged at step {step}")
+        self.step = step
 
-        teacher = build_teacher(cfg.distill, plan.num_classes, device)
-        distillation = HardDistillationLoss(criterion, teacher, cfg.distill.alpha, cfg.data).to(device)
-    input_dtype = torch.bfloat16 if cfg.deepspeed.precision == "bf16" else (
-        torch.float16 if cfg.deepspeed.precision == "fp16" else torch.float32)
-    first_step_logged = start_epoch > 0
 
-    for epoch in range(start_epoch, cfg.optim.epochs):
-        epoch_start = time.perf_counter()
-        engine.train()
-        loss_sum, steps, samples = 0.0, 0, 0
-        for step, (images, labels) in enumerate(train_loader):
-            images, targets = augment(images, labels)
-            logits = engine(images.to(input_dtype))
-            loss = (criterion(logits.float(), targets) if distillation is None
-                    else distillation(logits.float(), targets, images))
-            engine.backward(loss)
-            engine.step()
-            if ema is not None and engine.is_gradient_accumulation_boundary():
-                ema.update(engine.module, step=engine.global_steps)
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)  # one collective: the global loss, and NaN/inf on any rank
+class Trainer:
+    """One rank's training run."""
+
+    def __init__(self, plan: WorkerPlan):
+        self.plan = plan
+        self.cfg = ExperimentConfig.model_validate(plan.config)
+        self.time_to_first_step: float | None = None
+
+    def setup(self) -> None:
+        # Here, in the worker process only: the driver imports this module to hand `train_worker`
+        # to Ray, and importing DeepSpeed would cost it seconds.
+        import deepspeed
+
+        cfg, num_classes = self.cfg, self.plan.num_classes
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        torch.manual_seed(cfg.run.seed + self.rank)
+        quiet_numba_finalizers()
+
+        # Data: this node's copy of each dataset, this rank's shard of it.
+        cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
+        distributed = self.world_size > 1
+        self.train_loader = build_train_loader(
+            cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
+            self.device, distributed=distributed, seed=cfg.run.seed,
+        )
+        self.val_loader = build_val_loader(
+            cfg.data, stage_dataset(cfg.data.val, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
+            self.device, distributed=distributed,
+        )
+
+        # Model, optimizer, schedule, engine.
+        model = build_model(cfg.model, num_classes)
+        optimizer = build_optimizer(model, cfg.optim)
+        steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
+        scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, self.world_size), dist_init_required=False,
+        )
+        use_weights_only_loading(self.engine)
+        self.input_dtype = input_dtype(cfg)
+        self.identity = model_identity(cfg.model, num_classes)
+        self.ema = build_ema(self.engine.module, cfg.optim) if cfg.optim.ema_decay is not None else None
+        self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
+        self.loss = build_training_loss(cfg, self.augment, num_classes, self.device)
+
+        # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run).
+        self.start_epoch = 0
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as directory:
+                self.start_epoch = load_checkpoint(self.engine, Path(directory), identity=self.identity,
+                                                   rank=self.rank, ema=self.ema)
+        self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
+
+    def fit(self) -> None:
+        self.setup()
+        for epoch in range(self.start_epoch, self.cfg.optim.epochs):
+            started = time.perf_counter()
+            try:
+                stats = self.train_epoch()
+            except LossDiverged as diverged:
+                ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch, "step": diverged.step, "rank": self.rank})
+                return  # no retry: the run is recorded FAILED
+            metrics = {"epoch": epoch, "train_loss": stats.mean_loss, "lr": self.engine.get_lr()[0],
+                       "images_per_sec": stats.samples / stats.seconds, **self.evaluate()}
+            metrics["epoch_time_s"] = time.perf_counter() - started
+            self.end_epoch(epoch, metrics)
+
+    def train_epoch(self) -> EpochStats:
+        self.engine.train()
+        stats = EpochStats()
+        started = time.perf_counter()
+        for step, (images, labels) in enumerate(self.train_loader):
+            global_loss = self.train_step(images, labels)
             if not torch.isfinite(global_loss):
-                ray.train.report({DIVERGED_TAG: 1.0, "epoch": epoch, "step": step, "rank": rank})
-                return  # every rank saw the same sum: all stop together, no retry
-            if not first_step_logged:
-                first_step_logged = True
-                time_to_first_step = time.time() - plan.launched_at
-            loss_sum += global_loss.item() / world_size
-            steps += 1
-            samples += len(labels) * world_size
-        train_seconds = time.perf_counter() - epoch_start
+                raise LossDiverged(step)
+            if self.time_to_first_step is None:
+                self.time_to_first_step = time.time() - self.plan.launched_at
+            stats.loss_sum += global_loss.item() / self.world_size
+            stats.steps += 1
+            stats.samples += len(labels) * self.world_size
+        stats.seconds = time.perf_counter() - started
+        return stats
 
-        metrics = {
-            "epoch": epoch,
-            "train_loss": loss_sum / max(steps, 1),
-            "lr": engine.get_lr()[0],
-            "images_per_sec": samples / train_seconds,
-            **evaluate(engine, val_loader, input_dtype, device),
-            **({} if ema is None else _suffixed(evaluate(ema.module, val_loader, torch.float32, device), "_ema")),
-            "epoch_time_s": time.perf_counter() - epoch_start,
-        }
-        if epoch == start_epoch and start_epoch == 0:
-            metrics["time_to_first_step_s"] = time_to_first_step
-        elif epoch == start_epoch:  # a restart: MLflow shows where the run picked up its checkpoint
-            metrics["resumed_at_epoch"] = start_epoch
-        last = epoch == cfg.optim.epochs - 1
-        if (epoch + 1) % cfg.run.checkpoint_every == 0 or last:
-            with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
-                save_checkpoint(engine, Path(directory), epoch=epoch, identity=identity, rank=rank, ema=ema)
-                if last:
-                    save_final_weights(engine, Path(directory), rank, ema=ema)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        else:
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward, backward, optimizer step (at accumulation boundaries), EMA; returns the loss summed over ranks."""
+        images, targets = self.augment(images, labels)
+        loss = self.loss(self.engine(images.to(self.input_dtype)), targets, images)
+        self.engine.backward(loss)
+        self.engine.step()
+        if self.ema is not None and self.engine.is_gradient_accumulation_boundary():
+            self.ema.update(self.engine.module, step=self.engine.global_steps)
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)  # one collective: the global loss, and NaN/inf on any rank
+        return global_loss
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
+        if self.ema is not None:
+            ema_metrics = evaluate(self.ema.module, self.val_loader, torch.float32, self.device)
+            metrics.update({f"{key}_ema": value for key, value in ema_metrics.items()})
+        return metrics
+
+    def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
+        """Report the epoch to Ray Train, with a checkpoint every ``run.checkpoint_every`` epochs and at the end."""
+        if epoch == self.start_epoch == 0:
+            metrics["time_to_first_step_s"] = self.time_to_first_step
+        elif epoch == self.start_epoch:  # a restart: MLflow shows where the run picked up its checkpoint
+            metrics["resumed_at_epoch"] = self.start_epoch
+        last = epoch == self.cfg.optim.epochs - 1
+        if (epoch + 1) % self.cfg.run.checkpoint_every and not last:
             ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
+            save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
+                            ema=self.ema)
+            if last:
+                save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
     exactly once across ranks."""
-    from pipeline.metrics import Tally
-
     model.eval()
     tally = Tally()
     with torch.no_grad():
@@ -157,8 +205,3 @@ def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) 
             labels = labels[:num_real]
             tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
     return tally.reduced(device).means("val")
-
-
-
-def _suffixed(metrics: dict[str, float], suffix: str) -> dict[str, float]:
-    return {f"{key}{suffix}": value for key, value in metrics.items()}

@@ -51,10 +51,10 @@ def _replace_node_after_first_checkpoint(cluster, node, run_dir: Path, plan: dic
 
 
 def _train(cfg, address: str, report: dict) -> None:
-    from pipeline.driver import run_training
+    from pipeline.driver import train
 
     try:
-        outcome = run_training(cfg, address=address)
+        outcome = train(cfg, address=address)
         report["outcome"] = {"tracking_uri": outcome.tracking_uri, "run_id": outcome.mlflow_run_id}
     except BaseException:
         report["training_error"] = traceback.format_exc()

@@ -1,6 +1,4 @@
 """Where a multi-node run's pieces land: each node stages onto its own disk, workers spread or pack."""
-from pathlib import Path
-
 import pytest
 
 from pipeline.config import DataConfig, load_config
@@ -24,11 +22,14 @@ def test_without_a_node_cache_dir_staging_falls_back_under_run_storage(monkeypat
 
 @pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
 def test_the_placement_strategy_reaches_rays_scaling_config(strategy, tmp_path):
-    from pipeline.driver import ResolvedData, build_trainer
+    from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
+    from pipeline.tracking import MlflowRun
 
     cfg = load_config("smoke", [f"scaling.placement_strategy={strategy}"])
-    trainer = build_trainer(cfg, ResolvedData("train.beton", "val.beton", 10), "placed", Path(tmp_path),
-                            f"sqlite:///{tmp_path}/mlflow.db", "run-id", launched_at=0.0)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10), "placed",
+                     str(tmp_path), uri)
+    trainer = build_trainer(run, MlflowRun(uri, "run-id"), launched_at=0.0)
     assert trainer.scaling_config.placement_strategy == strategy
 
 

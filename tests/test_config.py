@@ -37,7 +37,7 @@ def test_override_into_model_args_keeps_types():
 
 
 def test_scientific_notation_override_is_a_number():
-    assert parse_override("optim.lr=5e-4") == (["optim", "lr"], 5e-4)
+    assert parse_override("optim.lr=5e-4") == ("optim.lr", 5e-4)
 
 
 def test_flat_keys_are_stable_dotted_names():

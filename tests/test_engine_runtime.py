@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import load_config
-from pipeline.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
+from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 DATA_VARIANCE = 1.05
@@ -42,7 +42,7 @@ def train_batchnorm_model(precision: str, steps: int = 40, compiled: bool = Fals
                                            config=deepspeed_config(cfg, world_size=1), dist_init_required=False)
     assert keep_batchnorm_in_fp32(engine.module) == 1
     assert compile_engine(engine, cfg) is compiled and engine.is_compiled is compiled
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = input_dtype(cfg)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
         images = torch.randn(64, 3, 4, 4, generator=generator) * DATA_VARIANCE**0.5

@@ -5,11 +5,10 @@ import os
 import mlflow
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.tracking import experiment_id, local_artifact_root, log_trained_model, resolve_tracking_uri
+from pipeline.tracking import MlflowRun, MlflowStore, local_artifact_root, resolve_tracking_uri
 
 
 def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
@@ -20,22 +19,22 @@ def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkey
 
 
 def test_experiments_of_a_local_store_keep_their_artifacts_beside_it(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = client.get_experiment(experiment_id(client, "vitsweep"))
-    assert experiment.artifact_location == local_artifact_root(client.tracking_uri) == (tmp_path / "mlartifacts").as_uri()
-    assert experiment_id(client, "vitsweep") == experiment.experiment_id  # found again, not created twice
+    store = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = store.client.get_experiment(store.experiment_id("vitsweep"))
+    assert experiment.artifact_location == local_artifact_root(store.uri) == (tmp_path / "mlartifacts").as_uri()
+    assert store.experiment_id("vitsweep") == experiment.experiment_id  # found again, not created twice
 
 
 def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = MlflowClient(uri)
-    run_id = client.create_run(experiment_id(client, "vitsweep")).info.run_id
+    run = MlflowStore(uri).create_run("vitsweep", "logs-a-model")
+    client, run_id = run.client, run.run_id
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"weights")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
 
-    log_trained_model(uri, run_id, model, weights, img_size=4)
+    run.log_model(model, weights, img_size=4)
 
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")

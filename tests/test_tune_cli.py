@@ -10,7 +10,7 @@ from pipeline.config import load_config
 from pipeline.sweeps.report import pareto_front
 from pipeline.sweeps.runner import RECORD_NAME, concurrent_trials
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
-from pipeline.tracking import experiment_id
+from pipeline.tracking import MlflowStore
 
 
 def _tune(tmp_path, space_text: str | None, *overrides: str, space: str | None = None) -> list[str]:
@@ -27,7 +27,7 @@ def _tune(tmp_path, space_text: str | None, *overrides: str, space: str | None =
 BAD_SPACES = [
     ("unknown_key", "params:\n  optim.lrr: {values: [1.0e-3]}\n", "optim.lrr"),
     ("empty_choice_list", "fixed:\n  model.args.qkv: fsne\nparams:\n  model.args.code_size: {values: []}\n",
-     "model.args.code_size: values is an empty list"),
+     "model.args.code_size.values = []: give at least one value"),
     ("alpha_outside_unit_interval",
      "fixed:\n  model.args.head: sot\nparams:\n  model.args.svpn_alpha: {uniform: [0.3, 1.5], grid: [0.5]}\n",
      "svpn_alpha = 1.5"),
@@ -121,7 +121,7 @@ def test_pareto_front_keeps_trials_no_cheaper_trial_beats():
 def _fake_sweep(storage) -> MlflowClient:
     """A finished sweep as `vitsweep tune` records it: a parent and three children."""
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
-    experiment = experiment_id(client, "vitsweep")  # artifacts beside the store, not in ./mlruns
+    experiment = MlflowStore(client.tracking_uri).experiment_id("vitsweep")  # artifacts beside the store, not in ./mlruns
     parent = client.create_run(experiment, run_name="lr-sweep", tags={ROLE_TAG: "sweep"}).info.run_id
     client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
                                      Param("space", "lr"), Param("tune.searcher", "grid"),

@@ -3,16 +3,16 @@ import random
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import load_config, with_dotted
 from pipeline.sweeps.planning import plan_trials, resolve_trial
-from pipeline.sweeps.spaces import (SpaceError, apply_assignment, available_spaces, combine, load_space,
+from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_space,
                                     load_spaces, parse_space)
 
 SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd"]
 
 
 def _base(space, preset="smoke"):
-    return apply_assignment(load_config(preset).model_dump(mode="json"), space.fixed)
+    return with_dotted(load_config(preset).model_dump(mode="json"), space.fixed)
 
 
 def _space(text: str):
@@ -107,7 +107,7 @@ def test_unknown_model_argument_is_an_error_naming_it():
 
 
 def test_empty_choice_list_is_an_error_naming_the_key():
-    with pytest.raises(SpaceError, match=r"params\.model\.args\.code_size: values is an empty list"):
+    with pytest.raises(SpaceError, match=r"params\.model\.args\.code_size\.values = \[\]: give at least one value"):
         _space("fixed:\n  model.args.qkv: fsne\nparams:\n  model.args.code_size: {values: []}\n")
 
 

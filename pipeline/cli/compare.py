@@ -24,42 +24,34 @@ def add_parser(commands) -> None:
     parser.set_defaults(run=_run)
 
 
-def _pruned(client, run_id: str) -> list[dict]:
+def _pruned(parent) -> list[dict]:
     """Pruned samples: the finished sweep's pruned.json, else the record written when it started."""
-    import tempfile
-    from pathlib import Path
-
     from pipeline.sweeps.runner import PRUNED_NAME, RECORD_NAME
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # keep the table's output clean
-    for name, field in ((PRUNED_NAME, None), (RECORD_NAME, "pruned")):
-        if any(a.path == name for a in client.list_artifacts(run_id)):
-            with tempfile.TemporaryDirectory() as directory:
-                data = json.loads(Path(client.download_artifacts(run_id, name, directory)).read_text())
-            return data if field is None else data.get(field, [])
+    artifacts = parent.artifact_names()
+    if PRUNED_NAME in artifacts:
+        return json.loads(parent.read_artifact(PRUNED_NAME))
+    if RECORD_NAME in artifacts:
+        return json.loads(parent.read_artifact(RECORD_NAME)).get("pruned", [])
     return []
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mlflow.tracking import MlflowClient
-
     from pipeline.config import load_config
     from pipeline.sweeps import report
     from pipeline.sweeps.tracking import ROLE_TAG
-    from pipeline.tracking import check_reachable, resolve_tracking_uri
+    from pipeline.tracking import MlflowStore, require_reachable, resolve_tracking_uri
 
     uri = resolve_tracking_uri(load_config(args.config, args.overrides))
-    try:
-        check_reachable(uri)
-    except ConnectionError as err:
-        raise InvalidInputError(str(err)) from None
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(args.experiment)
+    require_reachable(uri)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # keep the table's output clean
+    store = MlflowStore(uri)
+    experiment = store.find_experiment(args.experiment)
     if experiment is None:
-        names = [e.name for e in client.search_experiments()]
-        raise InvalidInputError(f"no MLflow experiment {args.experiment!r} in {uri}; experiments: {', '.join(names) or 'none'}")
-    sweeps = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'",
-                                order_by=["attributes.start_time DESC"])
+        raise InvalidInputError(f"no MLflow experiment {args.experiment!r} in {uri}; experiments: "
+                                f"{', '.join(store.experiment_names()) or 'none'}")
+    sweeps = store.search(experiment.experiment_id, f"tags.`{ROLE_TAG}` = 'sweep'",
+                          order_by=["attributes.start_time DESC"])
     if not sweeps:
         raise InvalidInputError(f"experiment {args.experiment!r} in {uri} holds no sweep (runs of `vitsweep tune`)")
     if args.sweep:
@@ -67,20 +59,20 @@ def _run(args: argparse.Namespace) -> int:
         if not chosen:
             names = ", ".join(run.info.run_name for run in sweeps)
             raise InvalidInputError(f"no sweep {args.sweep!r} in experiment {args.experiment!r}; sweeps: {names}")
-        parent = chosen[0]
+        found = chosen[0]
     else:
-        parent = sweeps[0]
+        found = sweeps[0]
+    parent = store.run(found.info.run_id)
 
-    params = parent.data.params
+    params = found.data.params
     metric, mode = params.get("tune.metric", "val_top1"), params.get("tune.mode", "max")
-    rows = report.sweep_rows(uri, parent.info.run_id, metric)
-    rows += report.pruned_rows(_pruned(client, parent.info.run_id))
+    rows = report.sweep_rows(parent, metric) + report.pruned_rows(_pruned(parent))
     if args.csv:
         print(report.to_csv(rows, metric, mode), end="")
         return 0
-    best = parent.data.tags.get("best_trial_id")
-    others = [run.info.run_name for run in sweeps if run.info.run_id != parent.info.run_id]
-    print(f"sweep {parent.info.run_name} ({parent.info.status}): space {params.get('space')}, "
+    best = found.data.tags.get("best_trial_id")
+    others = [run.info.run_name for run in sweeps if run.info.run_id != found.info.run_id]
+    print(f"sweep {found.info.run_name} ({found.info.status}): space {params.get('space')}, "
           f"searcher {params.get('tune.searcher')}, scheduler {params.get('tune.scheduler')}, metric {metric} ({mode})"
           + (f", best trial {best}" if best else ""))
     print(report.format_table(rows, metric, mode))

@@ -85,8 +85,8 @@ def _show(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"{args.name!r} is not a registered model (see `vitsweep models list`)")
     overrides = {}
     for assignment in args.overrides:
-        path, value = parse_override(assignment)
-        overrides[".".join(path)] = value
+        key, value = parse_override(assignment)
+        overrides[key] = value
     try:
         model = build_on_meta(args.name, **overrides)
     except (TypeError, ValueError) as err:

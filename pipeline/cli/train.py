@@ -21,7 +21,8 @@ def add_parser(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     launched_at = time.time()
-    from pipeline.driver import TrainingDiverged, train_from_config
+    from pipeline.driver import train_from_config
+    from pipeline.runs import TrainingDiverged
 
     try:
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)

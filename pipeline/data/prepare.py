@@ -9,10 +9,10 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline.config import DataConfig
+from pipeline.config import DataConfig, ExperimentConfig
 from pipeline.data.sidecar import WriteOptions, sidecar_path
 from pipeline.data.sources import DigitsSource
-from pipeline.data.staging import is_uri
+from pipeline.uris import is_uri
 from pipeline.data.writing import write_beton
 from pipeline.errors import InvalidInputError
 
@@ -41,3 +41,9 @@ def prepare_digits(data: DataConfig, img_size: int, num_workers: int | None = No
                 write_beton(DigitsSource(split, img_size), path, WriteOptions(write_mode="raw"), num_workers=num_workers)
         written.append(path)
     return written[0], written[1]
+
+
+def prepare_offline_data(cfg: ExperimentConfig) -> None:
+    """Write the offline dataset the config asks for (``data.prepare``), unless it is there already."""
+    if cfg.data.prepare == "digits":
+        prepare_digits(cfg.data, cfg.model.img_size)

@@ -255,7 +255,7 @@ class DigitsSource(ImageSource):
     kind = "digits"
 
     def __init__(self, split: str, img_size: int = 32):
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # here: scikit-learn's import costs seconds, digits only need it
         from sklearn.model_selection import train_test_split
 
         if split not in SPLITS:

@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ExperimentConfig, ModelConfig, validate
+from pipeline.config import ExperimentConfig, ModelConfig, validate, with_dotted
 from pipeline.errors import ConfigError
-from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError, apply_assignment
+from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
 
 MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
 MAX_GRID = 1000  # trials a grid search may expand to
@@ -42,12 +42,12 @@ class Candidate:
 def resolve_trial(space: SearchSpace, base_tree: dict[str, Any], sampled: dict[str, Any]) -> tuple[ExperimentConfig, dict[str, Any]]:
     """The trial's validated config and its knobs; ConfigError when the combination is invalid."""
     assignment = space.active_assignment(sampled, base_tree)
-    tree = apply_assignment(base_tree, assignment)
+    tree = with_dotted(base_tree, assignment)
     try:
         derived = space.derived(tree)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return validate(apply_assignment(tree, derived)), {**assignment, **derived}
+    return validate(with_dotted(tree, derived)), {**assignment, **derived}
 
 
 def model_problem(model: ModelConfig, num_classes: int = 1000) -> str | None:

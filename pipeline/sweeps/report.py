@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.sweeps.tracking import (COMPLETED, EARLY_STOPPED, KNOBS_TAG, STOP_REASON_TAG, TRIAL_TAG, child_runs)
-from pipeline.sweeps.trial import short_key
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pipeline.sweeps.spaces import short_key  # noqa: E402
+from pipeline.sweeps.tracking import (COMPLETED, EARLY_STOPPED, KNOBS_TAG, PRUNED, STOP_REASON_TAG,  # noqa: E402
+                                      TRIAL_TAG, child_runs)
+from pipeline.tracking import MlflowRun  # noqa: E402
 
 REPORTED = ("val_top1", "val_top5", "val_loss", "train_loss")
 
@@ -43,15 +50,12 @@ def _float(text: str | None) -> float | None:
         return None
 
 
-def sweep_rows(uri: str, parent_run_id: str, metric: str) -> list[TrialRow]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
+def sweep_rows(parent: MlflowRun, metric: str) -> list[TrialRow]:
     rows = []
-    for run in child_runs(uri, parent_run_id):
+    for run in child_runs(parent):
         tags, params = run.data.tags, run.data.params
         state, _, reason = tags.get(STOP_REASON_TAG, "running").partition(": ")
-        history = client.get_metric_history(run.info.run_id, metric)
+        history = MlflowRun(parent.uri, run.info.run_id, parent.client).metric_history(metric)
         params_count = _float(params.get("model_facts.params"))
         rows.append(TrialRow(
             trial_id=tags.get(TRIAL_TAG, ""), run_id=run.info.run_id, state=state, reason=reason,
@@ -64,7 +68,7 @@ def sweep_rows(uri: str, parent_run_id: str, metric: str) -> list[TrialRow]:
 
 
 def pruned_rows(pruned: list[dict[str, Any]]) -> list[TrialRow]:
-    return [TrialRow("", "", "pruned", p["reason"], p["knobs"], 0, {}, None, None) for p in pruned]
+    return [TrialRow("", "", PRUNED, p["reason"], p["knobs"], 0, {}, None, None) for p in pruned]
 
 
 def ranked(rows: list[TrialRow], metric: str, mode: str) -> list[TrialRow]:
@@ -146,11 +150,6 @@ def _numeric(values: list[Any]) -> bool:
 
 def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, log_keys: set[str]) -> list[Path]:
     """One PNG per searched knob (metric vs knob) and one Pareto plot; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     directory.mkdir(parents=True, exist_ok=True)
     scored = [r for r in rows if not math.isnan(r.value(metric))]
     styles = {COMPLETED: dict(color="C0", label="completed"),

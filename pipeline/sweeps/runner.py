@@ -20,16 +20,31 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate
-from pipeline.driver import ResolvedData
+import optuna
+import pyarrow.fs
+import ray
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search.optuna import OptunaSearch
+
+from pipeline import uris
+from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
+from pipeline.driver import start_ray
 from pipeline.errors import InvalidInputError
+from pipeline.runs import ResolvedData, resolve_data
+from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
-from pipeline.sweeps.spaces import SearchSpace, SpaceError, apply_assignment, load_spaces, spaces_from_record
+from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
+from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder, mark_unfinished,
+                                      open_parent_run)
+from pipeline.sweeps.trial import SweepPlan, run_trial
+from pipeline.tracking import MlflowRun, require_reachable, resolve_tracking_uri
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
@@ -37,22 +52,12 @@ TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
 
 
-def is_uri(location: str) -> bool:
-    return "://" in location
-
-
-def join(location: str, *parts: str) -> str:
-    return "/".join([location.rstrip("/"), *parts]) if is_uri(location) else str(Path(location, *parts))
-
-
 def _filesystem(location: str):
-    import pyarrow.fs
-
     return pyarrow.fs.FileSystem.from_uri(location)
 
 
 def write_text(location: str, text: str) -> None:
-    if not is_uri(location):
+    if not uris.is_uri(location):
         Path(location).parent.mkdir(parents=True, exist_ok=True)
         Path(location).write_text(text)
         return
@@ -63,10 +68,8 @@ def write_text(location: str, text: str) -> None:
 
 
 def read_text(location: str) -> str | None:
-    if not is_uri(location):
+    if not uris.is_uri(location):
         return Path(location).read_text() if Path(location).is_file() else None
-    import pyarrow.fs
-
     fs, path = _filesystem(location)
     if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
         return None
@@ -114,12 +117,9 @@ def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
     return wanted or fits
 
 
-def start_ray(address: str | None, cfg: ExperimentConfig) -> None:
-    """`vitsweep train`'s rule (--address, else RAY_ADDRESS, else a new local Ray); a local Ray
-    advertises at least one trial's CPUs, so a trial function + its workers run even on 2 cores."""
-    from pipeline.driver import start_ray as start
-
-    start(address, "tune", local_cpus=max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus)))
+def local_ray_cpus(cfg: ExperimentConfig) -> int:
+    """A local Ray advertises at least one trial's CPUs, so a trial function + its workers run even on 2 cores."""
+    return max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,11 +144,11 @@ class Sweep:
 
     @property
     def directory(self) -> str:
-        return join(self.root, self.name)
+        return uris.join(self.root, self.name)
 
     @property
     def record_path(self) -> str:
-        return join(self.directory, RECORD_NAME)
+        return uris.join(self.directory, RECORD_NAME)
 
     def record(self) -> str:
         return json.dumps({
@@ -158,12 +158,6 @@ class Sweep:
             "variants": self.plan.variants, "pruned": self.plan.pruned, "checked": self.plan.checked,
             "data": asdict(self.data),
         }, indent=1)
-
-
-def _absolute(location: str | None) -> str | None:
-    if location is None or is_uri(location):
-        return location
-    return str(Path(location).expanduser().resolve())
 
 
 def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
@@ -184,35 +178,29 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
 
 def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
     """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
-    from pipeline.driver import resolve_data
-    from pipeline.tracking import check_reachable, resolve_tracking_uri
-
     space = load_spaces(space_refs)
-    tree = apply_assignment(load_config(config).model_dump(mode="json"), space.fixed)
+    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
     cfg = validate(apply_overrides(tree, list(overrides)))
     _check_settings(cfg, space)
 
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
+    cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
-    root = _absolute(cfg.tune.storage_path or cfg.run.storage_path)
+    root = cfg.tune.storage_path or cfg.run.storage_path
     tracking_uri = resolve_tracking_uri(cfg)
-    try:
-        check_reachable(tracking_uri)
-    except ConnectionError as err:
-        raise InvalidInputError(str(err)) from None
-    tree = cfg.model_dump(mode="json")
-    tree["data"].update({k: _absolute(tree["data"][k]) for k in ("train", "val", "cache_dir")})
-    tree["run"]["storage_path"] = _absolute(cfg.run.storage_path)
-    tree["tracking"]["mlflow_uri"] = tracking_uri
-    tree["tune"].update(name=name, storage_path=root,
-                        seed=cfg.tune.seed if cfg.tune.seed is not None else cfg.run.seed,
-                        num_samples=cfg.tune.num_samples or (None if cfg.tune.searcher == "grid" else DEFAULT_RANDOM_SAMPLES))
-    cfg = validate(tree)
+    require_reachable(tracking_uri)
+    tune_settings = cfg.tune.model_copy(update={
+        "name": name, "storage_path": root,
+        "seed": cfg.tune.seed if cfg.tune.seed is not None else cfg.run.seed,
+        "num_samples": cfg.tune.num_samples or (None if cfg.tune.searcher == "grid" else DEFAULT_RANDOM_SAMPLES),
+    })
+    tracking = cfg.tracking.model_copy(update={"mlflow_uri": tracking_uri})
+    cfg = validate(cfg.model_copy(update={"tune": tune_settings, "tracking": tracking}).model_dump(mode="json"))
     base_tree = cfg.model_dump(mode="json")
 
-    sweep_dir = join(root, name)
-    if read_text(join(sweep_dir, RECORD_NAME)) is not None:
+    sweep_dir = uris.join(root, name)
+    if read_text(uris.join(sweep_dir, RECORD_NAME)) is not None:
         raise InvalidInputError(f"sweep {name!r} already exists in {sweep_dir}; continue it with "
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
@@ -222,10 +210,7 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
 
 def load_sweep(sweep_dir: str) -> Sweep:
     """An interrupted sweep, from its record (``--resume``)."""
-    from pipeline.driver import resolve_data
-
-    location = sweep_dir if is_uri(sweep_dir) else _absolute(sweep_dir)
-    text = read_text(join(location, RECORD_NAME))
+    text = read_text(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
     if text is None:
         raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
                                 "that `vitsweep tune` printed when it started")
@@ -247,39 +232,24 @@ def trial_name(trial) -> str:
 
 
 def _scheduler(cfg: ExperimentConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    from pipeline.sweeps.trial import TIME_ATTR
-
     if cfg.tune.scheduler == "fifo":
         return FIFOScheduler()
     # Rungs end before the last epoch and trials past the last rung are never stopped, so a trial
     # that trains every epoch always finishes its own run (final model, FINISHED) before it ends.
-    return ASHAScheduler(time_attr=TIME_ATTR, max_t=cfg.optim.epochs - 1, grace_period=cfg.tune.grace_period,
+    return ASHAScheduler(time_attr=EPOCHS_DONE, max_t=cfg.optim.epochs - 1, grace_period=cfg.tune.grace_period,
                          reduction_factor=cfg.tune.reduction_factor, brackets=1, stop_last_trials=False)
 
 
 def _trainable(sweep: Sweep):
-    from ray import tune
-
-    from pipeline.sweeps.trial import SweepPlan, run_trial
-
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
-                     cfg.tracking.experiment, sweep.parent_run_id, join(sweep.directory, TRIAL_RUNS_DIR))
+                     cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR))
     return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
 
 
-def _tuner(sweep: Sweep, max_concurrent: int):
-    from ray import tune
-
-    from pipeline.sweeps.tracking import TrialRecorder
-
+def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
     cfg = sweep.cfg
     if cfg.tune.searcher == "tpe":
-        import optuna
-        from ray.tune.search.optuna import OptunaSearch
-
         param_space = {"knobs": {dim.key: dim.tune_domain() for dim in sweep.space.dims}}
         search_alg = OptunaSearch(metric=cfg.tune.metric, mode=cfg.tune.mode,
                                   sampler=optuna.samplers.TPESampler(seed=cfg.tune.seed))
@@ -312,7 +282,7 @@ class SweepOutcome:
     parent_run_id: str
     interrupted: bool
     table: str
-    best: Any  # report.TrialRow or None
+    best: report.TrialRow | None
 
 
 def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
@@ -330,26 +300,21 @@ def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
 
 
 def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepOutcome:
-    import ray
-    from mlflow.tracking import MlflowClient
-    from ray import tune
-
-    from pipeline.sweeps.tracking import log_sweep_setup, open_parent_run
-
     cfg = sweep.cfg
     if cfg.tune.searcher == "tpe":
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    start_ray(address, cfg)
+    start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
     max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
 
-    sweep.parent_run_id = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
+    parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
+    sweep.parent_run_id = parent.run_id
     if not resume:
         write_text(sweep.record_path, sweep.record())
-        log_sweep_setup(sweep.tracking_uri, sweep.parent_run_id, _sweep_params(sweep, max_concurrent), files={
-            "space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(), RECORD_NAME: sweep.record(),
-        })
+        parent.log_params(_sweep_params(sweep, max_concurrent))
+        parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
+                          RECORD_NAME: sweep.record()})
     print(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
           f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
           f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
@@ -357,86 +322,66 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
           + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}",
           flush=True)
 
-    experiment_path = sweep.directory
-    if resume and tune.Tuner.can_restore(experiment_path):
-        tuner = tune.Tuner.restore(experiment_path, trainable=_trainable(sweep), resume_unfinished=True,
+    if resume and tune.Tuner.can_restore(sweep.directory):
+        tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep), resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:  # a new sweep, or one interrupted before Tune wrote its first state
         tuner = _tuner(sweep, max_concurrent)
     try:
         results = tuner.fit()
     except KeyboardInterrupt:
-        return finish_sweep(sweep, [], interrupted=True)
+        return finish_sweep(sweep, parent, [], interrupted=True)
     except Exception:
         # The sweep itself broke (e.g. the Ray cluster died): its state on disk is intact, so record
         # where it stopped and let --resume continue it.
-        from pipeline.sweeps.tracking import INTERRUPTED, mark_unfinished
-
-        mark_unfinished(sweep.tracking_uri, sweep.parent_run_id,
-                        f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}")
-        MlflowClient(sweep.tracking_uri).set_terminated(sweep.parent_run_id, status="FAILED")
+        mark_unfinished(parent, f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}")
+        parent.finish("FAILED")
         print(f"vitsweep tune: the sweep failed; continue it with: vitsweep tune --resume {sweep.directory}",
               file=sys.stderr, flush=True)
         raise
     # A trial neither terminated nor errored was still pending or running when Tune stopped.
     interrupted = results.num_terminated + results.num_errors < len(results)
-    return finish_sweep(sweep, list(results), interrupted)
+    return finish_sweep(sweep, parent, list(results), interrupted)
 
 
 def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
     """TPE samples that ended as they started, without a result: checked again for the reason."""
-    from pipeline.sweeps.trial import TIME_ATTR
-
     checker = TrialChecker(sweep.space, sweep.base_tree)
     pruned = []
     for result in results:
-        if result.error is None and result.config and TIME_ATTR not in (result.metrics or {}):
+        if result.error is None and result.config and EPOCHS_DONE not in (result.metrics or {}):
             candidate = checker.check(result.config["knobs"])
             if candidate.problem:
                 pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
     return pruned
 
 
-def finish_sweep(sweep: Sweep, results: list, interrupted: bool) -> SweepOutcome:
+def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
     """Record the outcome on the parent run: best trial, results.csv, pruned.csv, plots."""
-    import tempfile
-
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.sweeps import report
-    from pipeline.sweeps.tracking import INTERRUPTED, log_texts, mark_unfinished
-
     cfg = sweep.cfg
-    uri, parent = sweep.tracking_uri, sweep.parent_run_id
     if interrupted:
-        mark_unfinished(uri, parent, f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}")
+        mark_unfinished(parent, f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}")
     pruned = sweep.plan.pruned + (_tpe_pruned(sweep, results) if cfg.tune.searcher == "tpe" else [])
-    rows = report.sweep_rows(uri, parent, cfg.tune.metric)
-    all_rows = rows + report.pruned_rows(pruned)
     metric, mode = cfg.tune.metric, cfg.tune.mode
+    rows = report.sweep_rows(parent, metric)
+    all_rows = rows + report.pruned_rows(pruned)
     best = report.best_row(rows, metric, mode)
 
-    client = MlflowClient(uri)
     files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
     if pruned:
         files["pruned.csv"] = report.to_csv(report.pruned_rows(pruned), metric, mode)
-    log_texts(uri, parent, files)
+    parent.log_texts(files)
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
         for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys):
-            client.log_artifact(parent, str(path), "plots")
-    counts = {state: sum(r.state == state for r in all_rows) for state in
-              ("completed", "early_stopped", "diverged", "error", "interrupted", "pruned")}
-    metrics = {f"trials_{state}": n for state, n in counts.items()}
+            parent.log_artifact(path, "plots")
+    metrics = {f"trials_{state}": sum(r.state == state for r in all_rows) for state in TRIAL_STATES}
     metrics["trials_total"] = len(all_rows)
     metrics["trial_epochs"] = sum(r.epochs for r in rows)  # the compute the sweep spent
     if best:
         metrics[f"best_{metric}"] = best.value(metric)
-        client.set_tag(parent, "best_trial_id", best.trial_id)
-        client.set_tag(parent, "best_run_id", best.run_id)
-        client.set_tag(parent, "best_knobs", json.dumps(best.knobs))
-    for key, value in metrics.items():
-        client.log_metric(parent, key, value)
-    client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED")
-    return SweepOutcome(sweep.name, sweep.directory, uri, parent, interrupted,
+        parent.set_tags({"best_trial_id": best.trial_id, "best_run_id": best.run_id, "best_knobs": json.dumps(best.knobs)})
+    parent.log_metrics(metrics)
+    parent.finish("KILLED" if interrupted else "FINISHED")
+    return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.run_id, interrupted,
                         report.format_table(all_rows, metric, mode), best)

@@ -25,20 +25,17 @@ the dataset files) are the same for every trial and cannot be searched.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import math
-import re
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import describe_error, get_dotted, schema_problem, with_dotted, yaml_number
 from pipeline.errors import InvalidInputError
 
 SPACE_DIR = Path(__file__).resolve().parents[2] / "tune_spaces"
@@ -47,103 +44,24 @@ DISTRIBUTIONS = ("values", "uniform", "loguniform", "randint")
 UNSEARCHABLE = ("tune", "tracking", "scaling", "run.name", "run.storage_path",
                 "data.train", "data.val", "data.prepare", "data.cache_dir")
 MAX_RANDINT_GRID = 64
-_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 class SpaceError(InvalidInputError):
     """A search space is malformed or names something the config does not have."""
 
 
-def _number(value: Any) -> Any:
-    # YAML 1.1 reads 1e-3 (no dot) as a string; a learning rate should be a number.
-    if isinstance(value, str) and _SCIENTIFIC.match(value.strip()):
-        return float(value)
-    if isinstance(value, list):
-        return [_number(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _number(v) for k, v in value.items()}
-    return value
-
-
-# --------------------------------------------------------------------------------------------------
-# Dotted keys against the schema
-# --------------------------------------------------------------------------------------------------
-
-def _is_section(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def short_key(key: str) -> str:
+    """A knob's short name: ``model.args.code_size`` -> ``code_size``; ``model.args.mha_ratio_range.0`` ->
+    ``mha_ratio_range.0``."""
+    parts = key.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
 
 
 def check_key(key: str, where: str) -> None:
     """Raise SpaceError unless ``key`` names a field of the experiment config (or a model argument)."""
-    parts = key.split(".")
-    if any(not part for part in parts):
-        raise SpaceError(f"{where}: {key!r} has an empty part; keys look like optim.lr or model.args.code_size")
-    section: type[BaseModel] = ExperimentConfig
-    for depth, part in enumerate(parts):
-        fields = section.model_fields
-        if part not in fields:
-            prefix = ".".join(parts[:depth])
-            close = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" (did you mean {'.'.join([*parts[:depth], close[0]])!r}?)" if close else ""
-            raise SpaceError(
-                f"{where}: {key!r} is not a config key{hint}; valid keys under {prefix or 'the config'}: "
-                f"{', '.join(fields)}"
-            )
-        annotation = fields[part].annotation
-        if _is_section(annotation):
-            section = annotation
-            continue
-        rest = parts[depth + 1:]
-        if typing.get_origin(annotation) is dict:  # model.args: the model's constructor arguments
-            if not rest or not rest[0].isidentifier() or not all(p.isdigit() for p in rest[1:]):
-                raise SpaceError(
-                    f"{where}: {key!r} must name one argument under {'.'.join(parts[:depth + 1])}, "
-                    f"e.g. {'.'.join(parts[:depth + 1])}.code_size (a trailing .N sets list element N)"
-                )
-            return
-        if rest and not (len(rest) == 1 and rest[0].isdigit() and typing.get_origin(annotation) in (tuple, list)):
-            raise SpaceError(f"{where}: {key!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
-        return
-    raise SpaceError(f"{where}: {key!r} is a whole section; name one of its keys: "
-                     f"{', '.join(f'{key}.{name}' for name in section.model_fields)}")
-
-
-def get_dotted(tree: dict[str, Any], key: str, default: Any = None) -> Any:
-    node: Any = tree
-    for part in key.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return default
-    return node
-
-
-def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` in a config tree, creating sections on the way."""
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-
-
-def apply_assignment(tree: dict[str, Any], assignment: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``tree`` with each dotted key of ``assignment`` set (``key.N``: list element N)."""
-    tree = copy.deepcopy(tree)
-    for key, value in assignment.items():
-        head, _, tail = key.rpartition(".")
-        if tail.isdigit():
-            current = get_dotted(tree, head)
-            elements = list(current) if isinstance(current, (list, tuple)) else []
-            index = int(tail)
-            elements += [None] * (index + 1 - len(elements))
-            elements[index] = value
-            set_dotted(tree, head, elements)
-        else:
-            set_dotted(tree, key, value)
-    return tree
+    problem = schema_problem(key)
+    if problem:
+        raise SpaceError(f"{where}: {problem}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,7 +114,7 @@ class Dimension:
 
     def tune_domain(self):
         """The Ray Tune distribution (model-based searchers sample from it)."""
-        from ray import tune
+        from ray import tune  # here: every `vitsweep` command loads the shipped spaces' names, not Ray
 
         if self.kind == "values":
             return tune.choice(list(self.values))
@@ -221,63 +139,171 @@ def _same_value(actual: Any, allowed: tuple[Any, ...]) -> bool:
     return normal(actual) in [normal(a) for a in allowed]
 
 
-def _parse_dimension(key: str, spec: Any, where: str) -> Dimension:
-    where = f"{where}: params.{key}"
-    if not isinstance(spec, dict):
-        raise SpaceError(f"{where}: must be a mapping like {{values: [...]}} or {{uniform: [low, high]}}, got {spec!r}")
-    spec = _number(spec)
-    kinds = [k for k in DISTRIBUTIONS if k in spec]
-    unknown = set(spec) - {*DISTRIBUTIONS, "grid", "when"}
-    if unknown:
-        raise SpaceError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {', '.join(DISTRIBUTIONS)}, grid, when")
-    if len(kinds) != 1:
-        raise SpaceError(f"{where}: give exactly one distribution of {', '.join(DISTRIBUTIONS)}, got {kinds or 'none'}")
-    kind = kinds[0]
-    when = _parse_when(spec.get("when"), where)
-    if kind == "values":
-        values = spec["values"]
-        if not isinstance(values, list):
-            raise SpaceError(f"{where}: values must be a list, got {values!r}")
+# --------------------------------------------------------------------------------------------------
+# The space file's schema
+# --------------------------------------------------------------------------------------------------
+
+class _SpaceSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _checked_when(when: dict[str, Any] | None) -> dict[str, Any] | None:
+    if when is None:
+        return None
+    if not when:
+        raise ValueError("when must map config keys to a value or a list of values")
+    for key in when:
+        problem = schema_problem(str(key))
+        if problem:
+            raise ValueError(problem)
+    return when
+
+
+class ValuesSpec(_SpaceSection):
+    """A choice among ``values`` (a grid search takes all of them)."""
+
+    values: list[Any]
+    grid: None = None  # only ranges have grid points; here it is an error saying so
+    when: dict[str, Any] | None = None
+
+    @field_validator("values")
+    @classmethod
+    def _at_least_one(cls, values: list[Any]) -> list[Any]:
         if not values:
-            raise SpaceError(f"{where}: values is an empty list; give at least one value")
-        if "grid" in spec:
-            raise SpaceError(f"{where}: grid applies to ranges; values are all taken by a grid search")
-        return Dimension(key, kind, values=tuple(_hashable(v) for v in values), when=when)
-    bounds = spec[kind]
-    if not (isinstance(bounds, list) and len(bounds) == 2
-            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)):
-        raise SpaceError(f"{where}: {kind} must be [low, high] numbers, got {bounds!r}")
-    low, high = bounds
-    if not low < high:
-        raise SpaceError(f"{where}: {kind} [{low}, {high}] needs low < high")
-    if kind == "loguniform" and low <= 0:
-        raise SpaceError(f"{where}: loguniform [{low}, {high}] needs low > 0")
-    if kind == "randint" and not all(float(b).is_integer() for b in bounds):
-        raise SpaceError(f"{where}: randint [{low}, {high}] needs integer bounds")
-    grid = spec.get("grid", [])
-    if not isinstance(grid, list) or ("grid" in spec and not grid):
-        raise SpaceError(f"{where}: grid must be a non-empty list of points in [{low}, {high}], got {grid!r}")
-    outside = [g for g in grid if isinstance(g, bool) or not isinstance(g, (int, float)) or not low <= g <= high]
-    if outside:
-        raise SpaceError(f"{where}: grid points {outside} lie outside {kind} [{low}, {high}]")
-    return Dimension(key, kind, low=low, high=high, grid=tuple(grid), when=when)
+            raise ValueError("give at least one value")
+        return values
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _no_grid(cls, grid: Any) -> None:
+        raise ValueError("grid applies to ranges; values are all taken by a grid search")
+
+    _when = field_validator("when")(_checked_when)
 
 
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
+class _RangeSpec(_SpaceSection):
+    """A closed range ``[low, high]``; ``grid`` lists the points a grid search takes."""
+
+    grid: list[float] | None = None
+    when: dict[str, Any] | None = None
+
+    _when = field_validator("when")(_checked_when)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in DISTRIBUTIONS if k in type(self).model_fields)
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return getattr(self, self.kind)
+
+    @field_validator("uniform", "loguniform", "randint", mode="before", check_fields=False)
+    @classmethod
+    def _two_numbers(cls, bounds: Any) -> Any:
+        if not (isinstance(bounds, list) and len(bounds) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)):
+            raise ValueError("must be [low, high] numbers")
+        return bounds
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _grid_of_numbers(cls, grid: Any) -> Any:
+        if not isinstance(grid, list) or not grid:
+            raise ValueError("grid must be a non-empty list of points in the range")
+        return grid
+
+    @model_validator(mode="after")
+    def _ordered_and_grid_inside(self) -> _RangeSpec:
+        (low, high), kind = self.bounds, self.kind
+        if not low < high:
+            raise ValueError(f"{kind} [{low}, {high}] needs low < high")
+        if kind == "loguniform" and low <= 0:
+            raise ValueError(f"loguniform [{low}, {high}] needs low > 0")
+        outside = [g for g in self.grid or () if not low <= g <= high]
+        if outside:
+            raise ValueError(f"grid points {outside} lie outside {kind} [{low}, {high}]")
+        return self
 
 
-def _parse_when(spec: Any, where: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-    if spec is None:
-        return ()
-    if not isinstance(spec, dict) or not spec:
-        raise SpaceError(f"{where}: when must map config keys to a value or a list of values, got {spec!r}")
-    conditions = []
-    for key, allowed in spec.items():
-        check_key(str(key), f"{where}.when")
-        allowed = allowed if isinstance(allowed, list) else [allowed]
-        conditions.append((str(key), tuple(allowed)))
-    return tuple(conditions)
+class UniformSpec(_RangeSpec):
+    uniform: tuple[float, float]
+
+
+class LogUniformSpec(_RangeSpec):
+    loguniform: tuple[float, float]
+
+
+class RandintSpec(_RangeSpec):
+    randint: tuple[int, int]
+
+
+def _distribution_of(spec: Any) -> str | None:
+    kinds = [k for k in DISTRIBUTIONS if k in spec] if isinstance(spec, dict) else []
+    return kinds[0] if len(kinds) == 1 else None
+
+
+DistributionSpec = Annotated[
+    Union[Annotated[ValuesSpec, Tag("values")], Annotated[UniformSpec, Tag("uniform")],
+          Annotated[LogUniformSpec, Tag("loguniform")], Annotated[RandintSpec, Tag("randint")]],
+    Discriminator(_distribution_of, custom_error_type="distribution",
+                  custom_error_message=f"give exactly one distribution of {', '.join(DISTRIBUTIONS)}, e.g. "
+                                       "{values: [...]} or {uniform: [low, high]}"),
+]
+
+
+class MgcrpSquareOptions(_SpaceSection):
+    rounding: Literal["nearest", "up_even"] = "nearest"
+
+
+class DeriveSpec(_SpaceSection):
+    """Named rules filling keys from others, after sampling (see DERIVATIONS)."""
+
+    mgcrp_square: MgcrpSquareOptions | None = None
+
+
+class SpaceFile(_SpaceSection):
+    """A space file as written (``tune_spaces/*.yaml``)."""
+
+    description: str = ""
+    fixed: dict[str, Any] = Field(default_factory=dict)  # dotted overrides every trial shares
+    params: dict[str, DistributionSpec]  # the searched knobs: dotted key -> one distribution
+    derive: DeriveSpec = Field(default_factory=DeriveSpec)
+
+    @field_validator("fixed", "derive", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("params")
+    @classmethod
+    def _at_least_one_knob(cls, params: dict[str, Any]) -> dict[str, Any]:
+        if not params:
+            raise ValueError("params must map at least one dotted config key to a distribution")
+        return params
+
+
+def _space_error(err: ValidationError, where: str) -> SpaceError:
+    lines = []
+    for error in err.errors(include_url=False):
+        loc = [str(part) for part in error["loc"]]
+        model: type[BaseModel] = SpaceFile
+        if loc[:1] == ["params"] and len(loc) > 2:
+            # loc[2] is the distribution's tag: its spec lists the valid keys; the knob's key names it
+            model = {"values": ValuesSpec, "uniform": UniformSpec, "loguniform": LogUniformSpec,
+                     "randint": RandintSpec}[loc.pop(2)]
+        elif loc[:1] == ["derive"]:
+            model = DeriveSpec if len(loc) == 2 else MgcrpSquareOptions
+        lines.append(describe_error(error, ".".join(loc) or "<space>", list(model.model_fields)))
+    return SpaceError(f"{where}: " + "; ".join(lines))
+
+
+def _dimension(key: str, spec: ValuesSpec | _RangeSpec) -> Dimension:
+    when = tuple((str(k), tuple(v if isinstance(v, list) else [v])) for k, v in (spec.when or {}).items())
+    if isinstance(spec, ValuesSpec):
+        return Dimension(key, "values", values=tuple(tuple(v) if isinstance(v, list) else v for v in spec.values),
+                         when=when)
+    low, high = spec.bounds
+    return Dimension(key, spec.kind, low=low, high=high, grid=tuple(spec.grid or ()), when=when)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +334,7 @@ def _mgcrp_square(tree: dict[str, Any], rounding: str = "nearest") -> dict[str, 
     return {"model.args.mgcrp_m": side, "model.args.mgcrp_n": side, "model.args.repr_size": heads * side * side}
 
 
-DERIVATIONS = {"mgcrp_square": (_mgcrp_square, {"rounding": ("nearest", "up_even")})}
+DERIVATIONS = {"mgcrp_square": _mgcrp_square}
 
 
 @dataclass(frozen=True)
@@ -317,28 +343,12 @@ class Derivation:
     options: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, tree: dict[str, Any]) -> dict[str, Any]:
-        rule, _ = DERIVATIONS[self.name]
-        return rule(tree, **dict(self.options))
+        return DERIVATIONS[self.name](tree, **dict(self.options))
 
 
-def _parse_derive(spec: Any, where: str) -> tuple[Derivation, ...]:
-    if spec is None:
-        return ()
-    if not isinstance(spec, dict):
-        raise SpaceError(f"{where}: derive must map rule names to options, got {spec!r}")
-    rules = []
-    for name, options in spec.items():
-        if name not in DERIVATIONS:
-            raise SpaceError(f"{where}: derive rule {name!r} is unknown; valid: {', '.join(DERIVATIONS)}")
-        options = options or {}
-        allowed = DERIVATIONS[name][1]
-        for option, value in options.items():
-            if option not in allowed:
-                raise SpaceError(f"{where}: derive.{name}.{option} is unknown; valid: {', '.join(allowed)}")
-            if value not in allowed[option]:
-                raise SpaceError(f"{where}: derive.{name}.{option}={value!r}; valid: {', '.join(allowed[option])}")
-        rules.append(Derivation(name, tuple(sorted(options.items()))))
-    return tuple(rules)
+def _derivations(derive: DeriveSpec) -> tuple[Derivation, ...]:
+    return tuple(Derivation(name, tuple(sorted(options.model_dump().items())))
+                 for name, options in derive if options is not None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +412,7 @@ class SearchSpace:
     def derived(self, tree: dict[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for rule in self.derive:
-            values.update(rule(apply_assignment(tree, values)))
+            values.update(rule(with_dotted(tree, values)))
         return values
 
 
@@ -432,33 +442,25 @@ def parse_space(text: str, name: str, where: str) -> SearchSpace:
         raise SpaceError(f"{where} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise SpaceError(f"{where} must hold a mapping (description, fixed, params, derive)")
-    unknown = set(tree) - {"description", "fixed", "params", "derive"}
-    if unknown:
-        raise SpaceError(f"{where}: unknown section(s) {sorted(unknown)}; valid: description, fixed, params, derive")
-    params = tree.get("params")
-    if not isinstance(params, dict) or not params:
-        raise SpaceError(f"{where}: params must map at least one dotted config key to a distribution")
-    fixed = tree.get("fixed") or {}
-    if not isinstance(fixed, dict):
-        raise SpaceError(f"{where}: fixed must map dotted config keys to values, got {fixed!r}")
-    for key in fixed:
+    try:
+        space = SpaceFile.model_validate(yaml_number(tree))
+    except ValidationError as err:
+        raise _space_error(err, where) from None
+    for key in space.fixed:
         check_key(str(key), f"{where}: fixed")
     dims = []
-    for key, spec in params.items():
-        key = str(key)
+    for key, spec in space.params.items():
         check_key(key, f"{where}: params")
         blocked = next((p for p in UNSEARCHABLE if key == p or key.startswith(p + ".")), None)
         if blocked:
             raise SpaceError(f"{where}: params.{key} cannot be searched: {blocked} is the same for every trial of "
                              "a sweep (set it with --set or in fixed)")
-        if key in fixed:
+        if key in space.fixed:
             raise SpaceError(f"{where}: {key} is both fixed and searched; keep one")
-        dims.append(_parse_dimension(key, spec, where))
+        dims.append(_dimension(key, spec))
     _check_conditions(dims, where)
-    return SearchSpace(
-        name=name, description=str(tree.get("description", "")).strip(), fixed=_number(dict(fixed)),
-        dims=tuple(dims), derive=_parse_derive(tree.get("derive"), where), parts=((name, where, text),),
-    )
+    return SearchSpace(name=name, description=space.description.strip(), fixed=dict(space.fixed), dims=tuple(dims),
+                       derive=_derivations(space.derive), parts=((name, where, text),))
 
 
 def _check_conditions(dims: list[Dimension], where: str) -> None:
