@@ -285,6 +285,12 @@ class DeepSpeedConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer state to CPU (stages 1-3)
+    # GPUs: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa, ~8x IEEE fp32 on
+    # A100), as timm and DeiT train; false keeps IEEE fp32. Ignored on CPU.
+    tf32: bool = True
+    # torch.compile the model through DeepSpeed's engine.compile() (inductor): a one-off compile of
+    # tens of seconds per worker for faster steps; see benchmarks/RESULTS.md.
+    compile: bool = False
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> DeepSpeedConfig:
@@ -310,6 +316,14 @@ class ScalingConfig(_Section):
             raise ValueError("use_gpu=true needs gpus_per_worker > 0")
         if not self.use_gpu and self.gpus_per_worker > 0:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker} needs use_gpu=true")
+        if self.use_gpu and self.gpus_per_worker != 1:
+            # DeepSpeed puts the model on cuda:LOCAL_RANK, FFCV and Ray the data on
+            # ray.train.torch.get_device(): with 2+ GPUs they differ, with < 1 ranks share a GPU (NCCL refuses).
+            raise ValueError(
+                f"gpus_per_worker={self.gpus_per_worker} with use_gpu=true: vitsweep runs one worker per GPU "
+                "(gpus_per_worker=1, num_workers = the GPUs to train on). With more GPUs per worker DeepSpeed "
+                "(cuda:LOCAL_RANK) and the data (Ray's device) land on different GPUs; with a fraction two "
+                "ranks share one GPU, which NCCL refuses")
         return self
 
 

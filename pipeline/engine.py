@@ -1,11 +1,19 @@
-"""The DeepSpeed engine: its JSON config, derived from ours in this one place."""
+"""The DeepSpeed engine: its JSON config, derived from ours in this one place, and what the worker
+applies to the model and engine around ``deepspeed.initialize`` (BatchNorm in fp32, compile)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipeline.config import ExperimentConfig
+
+# BatchNorm's running statistics: fp32 under bf16/fp16 (keep_batchnorm_in_fp32).
+BATCHNORM_STATISTICS = ("running_mean", "running_var")
+# ZeRO's gradient reduce / parameter all-gather bucket, in elements: PyTorch DDP's 25 MB of fp32.
+# A 5-90 M parameter model then reduces in 1-15 buckets, each sent while backward computes the next.
+ZERO_BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
 def global_batch_size(cfg: ExperimentConfig, world_size: int) -> int:
@@ -21,6 +29,11 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
     """
     precision = cfg.deepspeed.precision
     zero: dict[str, Any] = {"stage": cfg.deepspeed.zero_stage}
+    if cfg.scaling.use_gpu and cfg.deepspeed.zero_stage > 0:
+        # DeepSpeed's defaults reduce every gradient after backward in one 5e8 bucket (bigger than
+        # the models here): overlap the reduction with backward in DDP-sized buckets instead.
+        zero.update(overlap_comm=True, contiguous_gradients=True,
+                    reduce_bucket_size=ZERO_BUCKET_ELEMENTS, allgather_bucket_size=ZERO_BUCKET_ELEMENTS)
     if cfg.deepspeed.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
     return {
@@ -32,8 +45,8 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0},  # 0: dynamic scaling
-        # DeepSpeed >= 0.19 casts parameters only; BatchNorm (XCiT's conv stem, SoT's DenseNet
-        # embedding) then meets fp32 running stats and fails. Cast floating buffers with the params.
+        # DeepSpeed >= 0.19 casts parameters only: cast floating buffers with them (a bf16 model
+        # meets no fp32 buffer); keep_batchnorm_in_fp32 then returns BN's running statistics to fp32.
         **({"data_types": {"buffer_dtype": precision}} if precision != "fp32" else {}),
         "steps_per_print": 10**9,  # progress is ours to report, once per epoch
         "wall_clock_breakdown": False,
@@ -46,3 +59,56 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 def input_dtype(cfg: ExperimentConfig) -> torch.dtype:
     """The dtype the engine's model computes in, so the input batch must be cast to it."""
     return PRECISION_DTYPES[cfg.deepspeed.precision]
+
+
+def keep_batchnorm_in_fp32(model: nn.Module) -> int:
+    """Run every BatchNorm of ``model`` in fp32 inside a bf16/fp16 model, as autocast training does;
+    returns how many. Call on ``engine.module`` after ``deepspeed.initialize`` (any precision).
+
+    In bf16 a running variance near 1 moves in steps of 2^-7, larger than a momentum-0.1 update, so
+    it stops short of the batch statistics (XCiT's conv stem and LPI, SoT's DenseNet embedding).
+    The running statistics go back to fp32 (DeepSpeed cast them with the buffers; their initial 0 and
+    1 are exact in bf16, and a checkpoint loaded afterwards fills the fp32 tensors). Each forward casts
+    the input up, reads weight and bias as fp32 (their master copies are fp32 in DeepSpeed's optimizer
+    anyway) and casts the output back.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            for name in BATCHNORM_STATISTICS:
+                statistic = getattr(module, name)
+                if statistic is not None and statistic.dtype != torch.float32:
+                    statistic.data = statistic.data.float()
+            module.register_forward_pre_hook(_batchnorm_enter_fp32)
+            module.register_forward_hook(_batchnorm_leave_fp32, always_call=True)
+            count += 1
+    return count
+
+
+def _batchnorm_enter_fp32(module: nn.Module, args: tuple) -> tuple:
+    (features, *rest) = args
+    # The bf16 Parameters, restored after forward; the fp32 copies carry their gradients back.
+    module.__dict__["_low_precision"] = (features.dtype, module.weight, module.bias)
+    for name in ("weight", "bias"):
+        if module._parameters[name] is not None:
+            module._parameters[name] = module._parameters[name].float()
+    return (features.float(), *rest)
+
+
+def _batchnorm_leave_fp32(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    entered = module.__dict__.pop("_low_precision", None)
+    if entered is None:  # an earlier pre-hook failed before ours ran: nothing to restore
+        return output
+    dtype, weight, bias = entered
+    module._parameters["weight"], module._parameters["bias"] = weight, bias
+    return output.to(dtype)
+
+
+def compile_engine(engine, cfg: ExperimentConfig) -> bool:
+    """``torch.compile`` the engine's model (DeepSpeed's ``engine.compile()``, inductor) when
+    ``deepspeed.compile`` asks for it; True when compiled. Call after ``deepspeed.initialize`` and
+    ``keep_batchnorm_in_fp32``; the first steps then pay the compile (benchmarks/RESULTS.md)."""
+    if not cfg.deepspeed.compile:
+        return False
+    engine.compile()
+    return True

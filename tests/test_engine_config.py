@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.config import load_config
-from pipeline.engine import deepspeed_config
+from pipeline.engine import ZERO_BUCKET_ELEMENTS, deepspeed_config
 
 
 def test_train_batch_size_is_micro_times_accumulation_times_world_size():
@@ -40,5 +40,28 @@ def test_optimizer_offload_goes_to_cpu():
 
 
 def test_half_precision_casts_buffers_with_parameters():
+    # BatchNorm's running statistics go back to fp32 after initialize (keep_batchnorm_in_fp32).
     assert deepspeed_config(load_config("smoke", ["deepspeed.precision=bf16"]), 2)["data_types"] == {"buffer_dtype": "bf16"}
     assert "data_types" not in deepspeed_config(load_config("smoke"), 2)
+
+
+GPU = ["scaling.use_gpu=true", "scaling.gpus_per_worker=1"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_gpus_overlaps_gradient_reduction_with_backward(stage):
+    zero = deepspeed_config(load_config("smoke", [*GPU, f"deepspeed.zero_stage={stage}"]), 8)["zero_optimization"]
+    assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == ZERO_BUCKET_ELEMENTS
+
+
+def test_zero_buckets_split_an_xcit_s12_so_reduction_starts_during_backward():
+    from models.measure import build_on_meta, count_params
+
+    params = count_params(build_on_meta("xcit_small_12_p16"))  # 26 M: the A100 job's model
+    assert params / ZERO_BUCKET_ELEMENTS >= 3  # DeepSpeed's default 5e8 bucket: one, after backward
+
+
+def test_cpu_runs_keep_deepspeeds_zero_defaults():
+    zero = deepspeed_config(load_config("smoke", ["deepspeed.zero_stage=2"]), 2)["zero_optimization"]
+    assert zero == {"stage": 2}

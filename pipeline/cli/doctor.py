@@ -15,7 +15,7 @@ from pipeline.config import ExperimentConfig, load_config
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "doctor", help="Check torch/CUDA, DeepSpeed, FFCV, Ray, MLflow reachability and free disk."
+        "doctor", help="Check torch/CUDA (and the NVIDIA driver when the config uses GPUs), DeepSpeed, FFCV, Ray, MLflow reachability and free disk."
     )
     add_config_arguments(parser)
     parser.set_defaults(run=_run)
@@ -29,6 +29,17 @@ def _torch() -> str:
     return (f"torch {torch.__version__}; CUDA build {torch.version.cuda or 'none'}; "
             f"CUDA available: {torch.cuda.is_available()}; GPUs: {gpus} ({names}); "
             f"CPU threads: {torch.get_num_threads()}")
+
+
+def _gpu(cfg: ExperimentConfig) -> str:
+    from pipeline.accelerator import GpuUnavailableError, check_gpu_node
+
+    if cfg.scaling.use_gpu:  # a GPU job on a node whose GPUs cannot run this torch: fail here, not at step 1
+        return check_gpu_node()
+    try:
+        return check_gpu_node()
+    except GpuUnavailableError as err:
+        return f"not used by this config (scaling.use_gpu=false): {err}"
 
 
 def _deepspeed() -> str:
@@ -89,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     checks: list[tuple[str, Callable[[], str]]] = [
         ("python", lambda: f"{platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs"),
         ("torch", _torch),
+        ("gpu", lambda: _gpu(cfg)),
         ("timm", _timm),
         ("deepspeed", _deepspeed),
         ("ffcv", _ffcv),

@@ -25,12 +25,14 @@ import torch.distributed as dist
 from pipeline.config import DataConfig
 from pipeline.data.augment import RandAugment
 from pipeline.data.integrity import check_beton
-from pipeline.data.runtime import ThreadCountPreservingLoader
+from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads
 from pipeline.errors import InvalidInputError
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
 from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
 from ffcv.loader import OrderOption
+from ffcv.loader.epoch_iterator import EpochIterator
+from ffcv.pipeline import Compiler
 from ffcv.pipeline.allocation_query import AllocationQuery
 from ffcv.pipeline.operation import Operation
 from ffcv.pipeline.state import State
@@ -68,6 +70,39 @@ class NormalizeToFloat(Operation):
         return normalize
 
 
+class _DeviceEpochIterator(EpochIterator):
+    """ffcv's epoch thread, on its loader's CUDA device from its first line.
+
+    A new thread's current CUDA device is 0. Each batch the thread enters ``torch.cuda.stream`` of
+    the loader's GPU and, leaving it, restores the stream it found: device 0's, which sets device 0
+    (cudaSetDevice creates a context there). Ray Train shows every worker all of its node's GPUs,
+    so each rank would hold a context on GPU 0 (ffcv 1.0.2 epoch_iterator.run_pipeline).
+    """
+
+    def run(self) -> None:
+        if self.loader.device.type == "cuda":
+            torch.cuda.set_device(self.loader.device)
+        super().run()
+
+
+class DeviceLoader(ThreadCountPreservingLoader):
+    """``ThreadCountPreservingLoader`` whose epoch thread runs on ``device`` (``_DeviceEpochIterator``)."""
+
+    def __init__(self, *args, device: torch.device, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device = device
+
+    def __iter__(self) -> _DeviceEpochIterator:
+        # ffcv 1.0.2's Loader.__iter__, which builds its EpochIterator inline: the same steps.
+        with preserved_torch_threads():
+            Compiler.set_num_threads(self.num_workers)
+            order = self.next_traversal_order()[: len(self) * self.batch_size]
+            self.next_epoch += 1
+            if self.code is None or self.recompile:
+                self.generate_code()
+            return _DeviceEpochIterator(self, order)
+
+
 def label_pipeline(device: torch.device) -> list[Operation]:
     # Squeeze(1), not Squeeze(): a batch of one must stay [1], not become a scalar.
     return [IntDecoder(), ToTensor(), Squeeze(1), ToDevice(device, non_blocking=True)]
@@ -101,15 +136,16 @@ def build_train_loader(
     device: torch.device | str,
     distributed: bool = False,
     seed: int = 0,
-) -> ThreadCountPreservingLoader:
+) -> DeviceLoader:
     """Random-resized-crop training batches from a local ``.beton`` (``stage_dataset`` gives one)."""
     check_beton(path)
     _check_distributed(distributed, data.order)
     _check_threads(data.num_workers)
-    return ThreadCountPreservingLoader(
+    return DeviceLoader(
         str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
         order=ORDERS[data.order], distributed=distributed, seed=seed, drop_last=data.drop_last,
         batches_ahead=data.batches_ahead, pipelines=train_pipelines(data, img_size, torch.device(device)),
+        device=torch.device(device),
     )
 
 
@@ -121,7 +157,7 @@ class ValLoader:
     rank's batches are never dropped, so every rank runs the same number of forward passes.
     """
 
-    loader: ThreadCountPreservingLoader
+    loader: DeviceLoader
     num_samples: int  # real samples this rank reads; summed over ranks: the dataset size
 
     def __len__(self) -> int:
@@ -147,10 +183,11 @@ def build_val_loader(
     _check_distributed(distributed, "sequential")
     _check_threads(data.num_workers)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    loader = ThreadCountPreservingLoader(
+    loader = DeviceLoader(
         str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
         order=OrderOption.SEQUENTIAL, distributed=distributed, seed=0, drop_last=False,
         batches_ahead=data.batches_ahead, pipelines=val_pipelines(data, img_size, torch.device(device)),
+        device=torch.device(device),
     )
     return ValLoader(loader, rank_sample_count(sidecar.num_samples, rank, world_size))
 
