@@ -1,6 +1,7 @@
 """DeiT hard-label distillation: a frozen teacher's argmax as a second target (DeiT §5.2)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import timm
@@ -43,17 +44,19 @@ def build_teacher(cfg: DistillConfig, num_classes: int, device: torch.device | s
 class HardDistillationLoss(nn.Module):
     """(1 - alpha)·task_loss(student, targets) + alpha·CE(student, argmax teacher(images)).
 
-    The teacher sees the same (augmented, mixed) images as the student, as in DeiT.
+    The teacher sees the same (augmented, mixed) images as the student, as in DeiT, in
+    ``precision`` (an autocast context: the training precision; default fp32).
     """
 
-    def __init__(self, task_loss: nn.Module, teacher, alpha: float, data: DataConfig):
+    def __init__(self, task_loss: nn.Module, teacher, alpha: float, data: DataConfig, precision=None):
         super().__init__()
         self.task_loss, self.teacher, self.alpha = task_loss, teacher, alpha
+        self.precision = precision or contextlib.nullcontext()
         self.register_buffer("student_mean", torch.tensor(data.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("student_std", torch.tensor(data.std).view(1, 3, 1, 1), persistent=False)
 
     def teacher_labels(self, images: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), self.precision:
             teacher_input = self.teacher.normalize_input(images.float(), self.student_mean, self.student_std)
             return self.teacher(teacher_input).argmax(dim=-1)
 

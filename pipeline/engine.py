@@ -2,6 +2,7 @@
 applies to the model and engine around ``deepspeed.initialize`` (BatchNorm in fp32, compile)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -112,3 +113,11 @@ def compile_engine(engine, cfg: ExperimentConfig) -> bool:
         return False
     engine.compile()
     return True
+
+
+def low_precision_autocast(cfg: ExperimentConfig, device: torch.device):
+    """Autocast to the training precision, for fp32 modules run beside the engine (the EMA shadow,
+    the distillation teacher); a no-op context for fp32 runs. Re-entrant: one object serves every epoch."""
+    if cfg.deepspeed.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[cfg.deepspeed.precision])

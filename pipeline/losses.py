@@ -29,10 +29,12 @@ class TrainingLoss(nn.Module):
         return sum(self.distillation.mix(logits.float(), targets, teacher_labels) for logits in branches)
 
 
-def build_training_loss(cfg: ExperimentConfig, augment: BatchAugment, num_classes: int,
-                        device: torch.device) -> TrainingLoss:
+def build_training_loss(cfg: ExperimentConfig, augment: BatchAugment, num_classes: int, device: torch.device,
+                        teacher_precision=None) -> TrainingLoss:
+    """``teacher_precision``: the autocast context the teacher runs in (the training precision)."""
     task_loss = augment.loss()
     if cfg.distill.teacher is None:
         return TrainingLoss(task_loss)
     teacher = build_teacher(cfg.distill, num_classes, device)
-    return TrainingLoss(task_loss, HardDistillationLoss(task_loss, teacher, cfg.distill.alpha, cfg.data).to(device))
+    distillation = HardDistillationLoss(task_loss, teacher, cfg.distill.alpha, cfg.data, teacher_precision)
+    return TrainingLoss(task_loss, distillation.to(device))

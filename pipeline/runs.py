@@ -307,7 +307,7 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
-                      announce)
+                      run.facts.gflops, announce)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),

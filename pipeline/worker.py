@@ -29,7 +29,8 @@ from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
 from pipeline.data.staging import cache_dir_for, stage_dataset
-from pipeline.engine import deepspeed_config, input_dtype
+from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
+from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
 from pipeline.metrics import DIVERGED_KEY, Tally
 from pipeline.modeling import build_model
@@ -45,6 +46,7 @@ class WorkerPlan:
     launched_at: float  # driver's time.time() at `vitsweep train` start, for time-to-first-step
     tracking_uri: str  # the run's MLflow store and run: each node's system metrics go there
     mlflow_run_id: str
+    gmacs_per_image: float  # the model's forward multiply-adds (models.measure), for TFLOP/s and MFU
     announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,6 +97,8 @@ class Trainer:
         import deepspeed
 
         cfg, num_classes = self.cfg, self.plan.num_classes
+        if cfg.scaling.use_gpu:  # before any CUDA allocation: a driver too old for torch's CUDA fails here, named
+            prepare_gpu_worker(cfg.deepspeed.tf32)
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -110,8 +114,8 @@ class Trainer:
             cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
             self.device, distributed=distributed, seed=cfg.run.seed,
         )
-        self.val_loader = build_val_loader(
-            cfg.data, stage_dataset(cfg.data.val, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
+        self.val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
+            cfg.data, stage_dataset(cfg.data.val, cache_dir), 2 * cfg.optim.micro_batch_size, cfg.model.img_size,
             self.device, distributed=distributed,
         )
 
@@ -125,11 +129,17 @@ class Trainer:
             config=deepspeed_config(cfg, self.world_size), dist_init_required=False,
         )
         use_weights_only_loading(self.engine)
+        keep_batchnorm_in_fp32(self.engine.module)  # running statistics drift in bf16
+        compile_engine(self.engine, cfg)
         self.input_dtype = input_dtype(cfg)
+        self.autocast = low_precision_autocast(cfg, self.device)
+        self.peak_tflops = (peak_tflops(torch.cuda.get_device_name(self.device),
+                                        math_mode(cfg.deepspeed.precision, cfg.deepspeed.tf32))
+                            if cfg.scaling.use_gpu else None)
         self.identity = model_identity(cfg.model, num_classes)
         self.ema = build_ema(self.engine.module, cfg.optim) if cfg.optim.ema_decay is not None else None
         self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
-        self.loss = build_training_loss(cfg, self.augment, num_classes, self.device)
+        self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast)
 
         # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run);
         # a corrupt one is skipped for the newest intact one beside it (local storage), never retried.
@@ -160,8 +170,13 @@ class Trainer:
             except LossDiverged as diverged:
                 ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch + 1, "step": diverged.step, "rank": self.rank})
                 return  # no retry: the run is recorded FAILED
+            images_per_sec = stats.samples / stats.seconds
             metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": self.engine.get_lr()[0],
-                       "images_per_sec": stats.samples / stats.seconds, **self.evaluate()}
+                       "images_per_sec": images_per_sec,
+                       "tflops_per_sec": training_tflops(self.plan.gmacs_per_image, images_per_sec),
+                       **({} if self.peak_tflops is None
+                          else {"mfu": mfu(self.plan.gmacs_per_image, images_per_sec, self.peak_tflops)}),
+                       **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
             self.end_epoch(epoch, metrics)
 
@@ -212,8 +227,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
-        if self.ema is not None:
-            ema_metrics = evaluate(self.ema.module, self.val_loader, torch.float32, self.device)
+        if self.ema is not None:  # the fp32 shadow, run in the training precision
+            with self.autocast:
+                ema_metrics = evaluate(self.ema.module, self.val_loader, torch.float32, self.device)
             metrics.update({f"{key}_ema": value for key, value in ema_metrics.items()})
         return metrics
 
