@@ -70,14 +70,22 @@ class Console:
         log lives in its run directory, which must not be written before the input checks pass);
         otherwise (a library caller) it goes to stderr."""
         self.verbose = verbose
-        self.stream = stream or sys.stdout
-        self.terminal = self.stream.isatty()
+        self._stream = stream
         self.log_path: Path | None = None
         self._lock = threading.Lock()
         self._live = False  # a progress line is on screen, to be overwritten
-        self.log: TextIO = io.StringIO() if buffered else sys.stderr
+        self._buffer = io.StringIO() if buffered else None
+        self._log: TextIO | None = None
         self._handler = logging.StreamHandler(self)
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream or sys.stdout  # looked up when used: the process's stdout may be replaced
+
+    @property
+    def terminal(self) -> bool:
+        return self.stream.isatty()
 
     # -- the driver's own output ------------------------------------------------------------------
 
@@ -115,14 +123,20 @@ class Console:
         path.parent.mkdir(parents=True, exist_ok=True)
         log = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  (closed by close())
         with self._lock:
-            if isinstance(self.log, io.StringIO):
-                log.write(self.log.getvalue())
-            self.log, self.log_path = log, path
+            if self._buffer is not None:
+                log.write(self._buffer.getvalue())
+                self._buffer = None
+            self._log, self.log_path = log, path
 
     def write(self, text: str) -> None:
         """File-like, for the libraries' logging handler; no credential of a URI reaches the file."""
         with self._lock:
             self.log.write(redact(text))
+
+    @property
+    def log(self) -> TextIO:
+        """Where library output goes now: the log file, else the buffer, else stderr."""
+        return self._log or self._buffer or sys.stderr
 
     def flush(self) -> None:
         self.log.flush()
@@ -180,5 +194,9 @@ class Console:
         with self._lock:
             self._end_live()
             self.stream.flush()
-        if self.log_path is not None:
-            self.log.close()
+        if self._log is not None:
+            self._log.close()
+        self._log = self._buffer = None
+        global _active
+        if _active is self:
+            _active = None
