@@ -27,7 +27,7 @@ from timm.models import generate_default_cfgs
 
 from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
 from models.layers.qkv import QKVOverrideMixin
-from models.sot import TokenHeadMixin
+from models.layers.heads import TokenHeadMixin
 
 __all__ = [
     "CHANNEL_SCHEDULES",
@@ -464,8 +464,8 @@ class EIT(TokenHeadMixin, QKVOverrideMixin, EITVisionTransformer):
     """``EITVisionTransformer`` with vitsweep's Q/K/V-embedding and classification-head overrides.
 
     With the defaults it is exactly the paper's EIT.  The overrides are those of every ViT-like family here:
-    ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``) and ``head=`` (``models.sot.TokenHeadMixin``),
-    e.g. ``timm.create_model("eit16_4_3_mini", qkv="fsne", code_size=8, head="sot")``.  Each layer's Q/K/V
+    ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``) and ``head=``
+    (``models.layers.heads.TokenHeadMixin``), e.g. ``timm.create_model("eit16_4_3_mini", qkv="fsne", code_size=8, head="sot")``.  Each layer's Q/K/V
     embedding has that layer's MHA width C_M_i (so ``qkv_hidden_dim`` may be one int per MHA layer, and its
     default is relative to C_M_i); F-SNE's codes (size c, independent of the width) are still shared by all
     layers.  Layers without MHA (C_M_i = 0) have no embedding.

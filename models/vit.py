@@ -16,7 +16,7 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 
 from models._registry import PaperFacts, build_on_timm_architecture, register_variant
 from models.layers.qkv import QKVOverrideMixin
-from models.sot import TokenHeadMixin
+from models.layers.heads import TokenHeadMixin
 
 __all__ = ["ViT"]
 
@@ -25,9 +25,9 @@ class ViT(TokenHeadMixin, QKVOverrideMixin, VisionTransformer):
     """timm's VisionTransformer with a choice of Q/K/V embedding and classification head.
 
     Takes ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``: every block's attention), ``head=``
-    and the SoT head's options (``models.sot.TokenHeadMixin``), and the rest of timm's VisionTransformer
-    arguments (img_size, num_classes, embed_dim, depth, num_heads, drop_path_rate, ...). With the defaults
-    ``qkv="linear", head="linear"`` it is timm's model, weight for weight.
+    and the SoT head's options (``models.layers.heads.TokenHeadMixin``), and the rest of timm's
+    VisionTransformer arguments (img_size, num_classes, embed_dim, depth, num_heads, drop_path_rate, ...).
+    With the defaults ``qkv="linear", head="linear"`` it is timm's model, weight for weight.
     """
 
 

@@ -8,17 +8,17 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the variants)
-from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
-from models.measure import build_on_meta, count_gmacs, count_params
-from models.sot import (
+from models.layers.heads import (
     SOT_FUSIONS,
     SOT_HEAD_KWARGS,
     SOT_POOLINGS,
-    DenseNetTokenEmbed,
     SoTHead,
     create_classifier_head,
     isqrt_newton_schulz,
 )
+from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
+from models.measure import build_on_meta, count_gmacs, count_params
+from models.sot import DenseNetTokenEmbed
 
 # --------------------------------------------------------------------------------------------------
 # The paper's tables
