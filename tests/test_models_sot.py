@@ -191,18 +191,37 @@ def test_head_without_class_token_pools_every_token():
     torch.testing.assert_close(head(tokens), head.fc(head.pool(tokens)))
 
 
-def test_mgcrp_is_per_head_cross_covariance_of_two_projections():
+def _per_head_projections(pool: MGCrP, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(X_i, Y_i) = (W_i Z, R_i Z) of every head, [B, m, q] and [B, n, q], from the pool's own weights."""
+    h, m, n = pool.num_heads, pool.m, pool.n
+    w_all, r_all = pool.proj.weight.split([h * m, h * n])
+    z = tokens.mT  # Z: p x q per image
+    return [(w_all[i * m:(i + 1) * m] @ z, r_all[i * n:(i + 1) * n] @ z) for i in range(h)]
+
+
+def test_mgcrp_uncentred_is_per_head_cross_covariance_of_two_projections_as_printed():
     torch.manual_seed(0)
-    heads, m, n, dim = 3, 4, 5, 16
-    pool = MGCrP(dim, num_heads=heads, m=m, n=n, norm="none")
-    tokens = _tokens(dim=dim)
-    w_all, r_all = pool.proj.weight.split([heads * m, heads * n])
+    pool = MGCrP(16, num_heads=3, m=4, n=5, norm="none", centre=False)
+    tokens = _tokens(dim=16)
+    expected = [(x @ y.mT / tokens.shape[1]).flatten(1) for x, y in _per_head_projections(pool, tokens)]
+    torch.testing.assert_close(pool(tokens), torch.cat(expected, dim=1))  # Eq. 2, (1/q) W Z Zᵀ Rᵀ
+
+
+def test_mgcrp_centres_each_head_projection_by_its_mean_as_the_released_code_does():
+    torch.manual_seed(0)
+    pool = MGCrP(16, num_heads=3, m=4, n=5, norm="none")
+    tokens = _tokens(dim=16) + 3.0  # a token mean far from zero, where centring matters
     expected = []
-    for i in range(heads):
-        w, r = w_all[i * m:(i + 1) * m], r_all[i * n:(i + 1) * n]  # W_i (m x p), R_i (n x p)
-        z = tokens.mT  # Z: p x q per image
-        expected.append((w @ z @ z.mT @ r.T / tokens.shape[1]).flatten(1))  # Eq. 2, (1/q) W Z Zᵀ Rᵀ
+    for x, y in _per_head_projections(pool, tokens):
+        # Released Covariance(remove_mean=True): one scalar mean over all entries of X_i, one of Y_i.
+        x, y = x - x.mean(dim=(1, 2), keepdim=True), y - y.mean(dim=(1, 2), keepdim=True)
+        expected.append((x @ y.mT / tokens.shape[1]).flatten(1))
     torch.testing.assert_close(pool(tokens), torch.cat(expected, dim=1))
+
+
+def test_head_passes_mgcrp_centre_to_its_pooling():
+    assert create_classifier_head("sot", 32, 10, mgcrp_heads=2, mgcrp_m=4).pool.centre
+    assert not create_classifier_head("sot", 32, 10, mgcrp_heads=2, mgcrp_m=4, mgcrp_centre=False).pool.centre
 
 
 def test_mgcrp_exact_svpn_normalises_each_head_matrix():
@@ -238,11 +257,12 @@ def test_gcp_repr_size_defaults_to_mgcrp_size():
 def test_sot_head_kwargs_are_all_accepted():
     head = create_classifier_head(
         "sot", 32, 10, fusion="sum", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3, mgcrp_n=3, repr_size=18,
-        mgcrp_norm="svpn_approx", svpn_alpha=0.5, svpn_num_sv=2, svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
+        mgcrp_norm="svpn_approx", mgcrp_centre=False, svpn_alpha=0.5, svpn_num_sv=2, svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
     )
     assert head(_tokens()).shape == (2, 10)
     assert SOT_HEAD_KWARGS == {
-        "fusion", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm", "svpn_alpha",
+        "fusion", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm", "mgcrp_centre",
+        "svpn_alpha",
         "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters",
     }
 

@@ -47,6 +47,7 @@ SOT_HEAD_KWARGS = frozenset({
     "mgcrp_n",
     "repr_size",
     "mgcrp_norm",
+    "mgcrp_centre",
     "svpn_alpha",
     "svpn_num_sv",
     "svpn_iters",
@@ -161,6 +162,8 @@ class SoTHead(nn.Module):
             it can only be embed_dim.
         mgcrp_norm: normalisation of each MGCrP matrix: 'svpn_approx' (Eq. 8, default), 'svpn'
             (exact Eq. 5), or Table 4d's 'none', 'scale' (learned 1/τ), 'epn', 'ln'.
+        mgcrp_centre: centre each head's projections before the cross-covariance product, as the
+            released code does (True, default; see ``MGCrP``); False gives Eq. 2 as printed.
         svpn_alpha: α of svPN (Eq. 5), in (0, 1]; default 0.5 (Table 4c).
         svpn_num_sv: #sv of the approximate svPN; default 1 (Table 4c).
         svpn_iters: #iter of the approximate svPN; default 1 (Table 4c).
@@ -185,6 +188,7 @@ class SoTHead(nn.Module):
         mgcrp_n: int | None = None,
         repr_size: int | None = None,
         mgcrp_norm: str = "svpn_approx",
+        mgcrp_centre: bool = True,
         svpn_alpha: float = 0.5,
         svpn_num_sv: int = 1,
         svpn_iters: int = 1,
@@ -219,7 +223,7 @@ class SoTHead(nn.Module):
             m, n = _resolve_mgcrp_shape(mgcrp_heads, mgcrp_m, mgcrp_n, repr_size)
             self.pool = MGCrP(
                 embed_dim, num_heads=mgcrp_heads, m=m, n=n, norm=mgcrp_norm,
-                alpha=svpn_alpha, num_sv=svpn_num_sv, iters=svpn_iters,
+                alpha=svpn_alpha, num_sv=svpn_num_sv, iters=svpn_iters, centre=mgcrp_centre,
             )
         elif pooling == "gcp":
             if repr_size is None:
