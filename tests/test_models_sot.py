@@ -6,6 +6,7 @@ import math
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import models  # noqa: F401  (registers the variants)
 from models.layers.heads import (
@@ -134,7 +135,7 @@ def _tokens(batch: int = 2, num_tokens: int = 17, dim: int = 32, seed: int = 0) 
 def test_head_with_each_fusion_and_pooling_gives_logits(fusion, pooling):
     head = create_classifier_head("sot", 32, 10, fusion=fusion, pooling=pooling, mgcrp_heads=2, mgcrp_m=4)
     tokens = _tokens().requires_grad_()
-    logits = head(tokens)
+    logits = head.eval()(tokens)
     assert logits.shape == (2, 10)
     logits.sum().backward()
     assert torch.isfinite(tokens.grad).all()
@@ -165,7 +166,7 @@ def test_linear_head_classifies_the_class_token_or_the_token_mean():
 
 
 def _fusion_reference(head: SoTHead, tokens: torch.Tensor) -> torch.Tensor:
-    """Eq. 1 written out with the head's own layers."""
+    """Eq. 1 written out with the head's own layers, as the head predicts (eval mode)."""
     z0, words = tokens[:, 0], tokens[:, 1:]
     if head.fusion == "sum":
         return head.cls_fc(z0) + head.word_fc(head.pool(words))
@@ -173,9 +174,8 @@ def _fusion_reference(head: SoTHead, tokens: torch.Tensor) -> torch.Tensor:
         return head.fc(torch.cat([z0, head.pool(words)], dim=-1))
     if head.fusion == "aggr_all":
         return head.fc(head.pool(tokens))
-    # late: the two classifiers' scores are added; the head returns their log-average.
-    scores = head.cls_fc(z0).softmax(-1) + head.word_fc(head.pool(words)).softmax(-1)
-    return torch.log(scores / 2)
+    # late: the two classifiers' logits are added (the released prediction).
+    return head.cls_fc(z0) + head.word_fc(head.pool(words))
 
 
 @pytest.mark.parametrize("fusion", SOT_FUSIONS)
@@ -256,14 +256,14 @@ def test_gcp_repr_size_defaults_to_mgcrp_size():
 
 def test_sot_head_kwargs_are_all_accepted():
     head = create_classifier_head(
-        "sot", 32, 10, fusion="sum", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3, mgcrp_n=3, repr_size=18,
-        mgcrp_norm="svpn_approx", mgcrp_centre=False, svpn_alpha=0.5, svpn_num_sv=2, svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
+        "sot", 32, 10, fusion="late", late_scheme="mixture", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3,
+        mgcrp_n=3, repr_size=18, mgcrp_norm="svpn_approx", mgcrp_centre=False, svpn_alpha=0.5, svpn_num_sv=2,
+        svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
     )
     assert head(_tokens()).shape == (2, 10)
     assert SOT_HEAD_KWARGS == {
-        "fusion", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm", "mgcrp_centre",
-        "svpn_alpha",
-        "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters",
+        "fusion", "late_scheme", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm",
+        "mgcrp_centre", "svpn_alpha", "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters",
     }
 
 
@@ -280,6 +280,7 @@ def test_sot_head_kwargs_are_all_accepted():
         ({"svpn_alpha": 0.0}, "svpn_alpha"),
         ({"svpn_alpha": 1.2}, "svpn_alpha"),
         ({"fusion": "product"}, "fusion"),
+        ({"fusion": "late", "late_scheme": "average"}, "late_scheme"),
         ({"pooling": "max"}, "pooling"),
         ({"mgcrp_norm": "batchnorm"}, "mgcrp_norm"),
         ({"mgcrp_dropout": 1.0}, "mgcrp_dropout"),
@@ -321,10 +322,45 @@ def test_svpn_alpha_outside_zero_one_is_rejected_by_the_model():
         timm.create_model("sot_7layer", img_size=32, svpn_alpha=1.5)
 
 
-def test_late_fusion_scores_are_a_distribution():
-    head = create_classifier_head("sot", 32, 10, fusion="late", mgcrp_heads=2, mgcrp_m=4)
-    probs = head(_tokens()).exp().sum(-1)
-    torch.testing.assert_close(probs, torch.ones(2))
+def _late_head(**kwargs) -> SoTHead:
+    return create_classifier_head("sot", 32, 10, fusion="late", mgcrp_heads=2, mgcrp_m=4, **kwargs)
+
+
+def test_late_fusion_trains_with_the_class_token_and_word_token_logits_apart():
+    head, tokens = _late_head().train(), _tokens()
+    cls_logits, word_logits = head(tokens)
+    torch.testing.assert_close(cls_logits, head.cls_fc(tokens[:, 0]))
+    torch.testing.assert_close(word_logits, head.word_fc(head.pool(tokens[:, 1:])))
+
+
+def test_late_fusion_gives_each_branch_the_gradient_of_plain_cross_entropy_on_it():
+    head, tokens, targets = _late_head().train(), _tokens(), torch.tensor([3, 7])
+    outputs = head(tokens)
+    sum(F.cross_entropy(logits, targets) for logits in outputs).backward()  # the documented tuple-loss contract
+    for fc, features in ((head.cls_fc, tokens[:, 0]), (head.word_fc, head.pool(tokens[:, 1:]).detach())):
+        plain = torch.autograd.grad(F.cross_entropy(F.linear(features, fc.weight, fc.bias), targets), fc.weight)[0]
+        torch.testing.assert_close(fc.weight.grad, plain)
+
+
+def test_late_fusion_predicts_with_the_sum_of_the_two_logits():
+    head, tokens = _late_head().eval(), _tokens()
+    expected = head.cls_fc(tokens[:, 0]) + head.word_fc(head.pool(tokens[:, 1:]))
+    torch.testing.assert_close(head(tokens), expected)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_late_fusion_mixture_scheme_returns_the_log_of_the_averaged_scores(training):
+    head, tokens = _late_head(late_scheme="mixture").train(training), _tokens()
+    scores = head.cls_fc(tokens[:, 0]).softmax(-1) + head.word_fc(head.pool(tokens[:, 1:])).softmax(-1)
+    torch.testing.assert_close(head(tokens), torch.log(scores / 2))
+
+
+def test_late_fusion_model_returns_two_logits_in_training_and_their_sum_in_eval():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10, fusion="late")
+    images = torch.randn(2, 3, 32, 32)
+    cls_logits, word_logits = model.train()(images)
+    assert cls_logits.shape == word_logits.shape == (2, 10)
+    assert model.eval()(images).shape == (2, 10)
 
 
 def test_head_returns_pre_logits_when_num_classes_is_zero():

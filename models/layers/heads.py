@@ -24,6 +24,7 @@ __all__ = [
     "SOT_HEAD_KWARGS",
     "SOT_FUSIONS",
     "SOT_POOLINGS",
+    "SOT_LATE_SCHEMES",
     "CLASSIFIER_HEADS",
     "create_classifier_head",
     "LinearTokenHead",
@@ -38,9 +39,12 @@ __all__ = [
 CLASSIFIER_HEADS = ("linear", "sot")
 SOT_FUSIONS = ("sum", "concat", "aggr_all", "late")
 SOT_POOLINGS = ("mgcrp", "gcp", "gap")
+# How 'late' fusion trains and predicts (SoTHead): the released code's two losses, or the printed score mixture.
+SOT_LATE_SCHEMES = ("two_losses", "mixture")
 # Keyword arguments SoTHead accepts (beyond embed_dim, num_classes, has_class_token); stable API.
 SOT_HEAD_KWARGS = frozenset({
     "fusion",
+    "late_scheme",
     "pooling",
     "mgcrp_heads",
     "mgcrp_m",
@@ -140,7 +144,25 @@ class SoTHead(nn.Module):
     """SoT classification head (§3.2): class token + pooled word tokens, fused (Eq. 1).
 
     Takes the backbone's final normalised tokens [B, T, C] (class token first when
-    ``has_class_token``) and returns [B, num_classes] logits.
+    ``has_class_token``) and returns [B, num_classes] logits, except for 'late' fusion in training mode
+    (below).
+
+    Where the authors' released code (jiangtaoxie/SoT, ``sot_src/``) and the printed paper differ, the
+    default follows the code and an argument gives the printed form: MGCrP centring (``mgcrp_centre``) and
+    'late' fusion (``late_scheme``).
+
+    'late' fusion, ``late_scheme='two_losses'`` (default, the released ``sum_loss`` classifier): in training
+    mode the head, and so the model's forward, returns the tuple ``(class_token_logits, word_token_logits)``,
+    each [B, num_classes]; in eval mode it returns their sum, the released prediction. The contract for the
+    training loop: the loss of a tuple output is the sum over its elements of the loss a single logits
+    tensor would get, with the same targets, i.e. ``criterion(a, targets) + criterion(b, targets)`` (hard
+    labels, or Mixup/CutMix soft targets with their label smoothing) and, with distillation, the whole
+    distillation loss per element, ``distill(a, targets, images) + distill(b, targets, images)`` (one teacher
+    pass serves both). Each branch then gets the gradient plain cross-entropy on it would give.
+    ``late_scheme='mixture'`` is the printed form, one output log(½(softmax(a) + softmax(b))) in both modes:
+    the log of the averaged scores, which keeps the logits contract (argmax = argmax of the summed scores;
+    softmax of it = the averaged scores) but gives each branch less than half of that gradient at
+    initialisation.
 
     Args:
         embed_dim: C, the token dimension.
@@ -149,8 +171,10 @@ class SoTHead(nn.Module):
             is a word token and the head is FC(pool(tokens)) (the paper's "MGCrP in place of GAP").
         fusion: how class token z₀ and word tokens Z meet (Eq. 1, Table 3b): 'sum' FC(z₀) + FC(pool(Z))
             (the paper's choice), 'concat' FC([z₀, pool(Z)]), 'aggr_all' FC(pool([z₀, Z])),
-            'late' softmax(FC(z₀)) + softmax(FC(pool(Z))). Default: 'sum' with a class token,
-            'aggr_all' without.
+            'late' FC(z₀) and FC(pool(Z)) as two classifiers (see above). Default: 'sum' with a class
+            token, 'aggr_all' without.
+        late_scheme: how 'late' fusion trains and predicts, one of SOT_LATE_SCHEMES (see above); unused by
+            the other fusions.
         pooling: word-token pooling (Table 2): 'mgcrp' (paper's), 'gcp' (iSQRT-normalised covariance)
             or 'gap'.
         mgcrp_heads: h, MGCrP heads; paper default 6 (Table 4a).
@@ -170,9 +194,6 @@ class SoTHead(nn.Module):
         mgcrp_dropout: dropout on the pooled word-token representation ("MGCrP dropout", Table S-3:
             0.0 SoT-Tiny, 0.5 Small, 0.7 Base).
         gcp_iters: Newton-Schulz iterations of GCP's iSQRT; default 5 (iSQRT-COV's).
-
-    'late' returns log(½(softmax(a) + softmax(b))): the log of the averaged scores, so the head keeps
-    the logits contract (argmax = argmax of the summed scores; softmax of it = the averaged scores).
     """
 
     def __init__(
@@ -182,6 +203,7 @@ class SoTHead(nn.Module):
         *,
         has_class_token: bool = True,
         fusion: str | None = None,
+        late_scheme: str = "two_losses",
         pooling: str = "mgcrp",
         mgcrp_heads: int = 6,
         mgcrp_m: int | None = None,
@@ -205,6 +227,8 @@ class SoTHead(nn.Module):
                 f"fusion={fusion!r} needs a class token, but has_class_token=False; "
                 "without one only 'aggr_all' (pool every token) applies"
             )
+        if late_scheme not in SOT_LATE_SCHEMES:
+            raise ValueError(f"unknown late_scheme={late_scheme!r}; valid: {', '.join(SOT_LATE_SCHEMES)}")
         if pooling not in SOT_POOLINGS:
             raise ValueError(f"unknown pooling={pooling!r}; valid: {', '.join(SOT_POOLINGS)}")
         if not 0.0 <= mgcrp_dropout < 1.0:
@@ -216,7 +240,7 @@ class SoTHead(nn.Module):
         for name, value in (("svpn_num_sv", svpn_num_sv), ("svpn_iters", svpn_iters), ("gcp_iters", gcp_iters)):
             if value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; it must be >= 1")
-        self.fusion, self.pooling_name = fusion, pooling
+        self.fusion, self.late_scheme, self.pooling_name = fusion, late_scheme, pooling
         self.has_class_token = has_class_token
 
         if pooling == "mgcrp":
@@ -256,7 +280,9 @@ class SoTHead(nn.Module):
             self.num_features = self.repr_size
         self.num_classes = num_classes
 
-    def forward(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, pre_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fusion == "aggr_all":
             pooled = self.repr_drop(self.pool(tokens))
             return pooled if pre_logits else self.fc(pooled)
@@ -268,10 +294,12 @@ class SoTHead(nn.Module):
             return self.cls_fc(cls_token) + self.word_fc(pooled)
         if self.fusion == "concat":
             return self.fc(torch.cat([cls_token, pooled], dim=-1))
-        log_probs = torch.stack(
-            [F.log_softmax(self.cls_fc(cls_token), dim=-1), F.log_softmax(self.word_fc(pooled), dim=-1)]
-        )
-        return torch.logsumexp(log_probs, dim=0) - math.log(2.0)
+        cls_logits, word_logits = self.cls_fc(cls_token), self.word_fc(pooled)
+        if self.late_scheme == "mixture":
+            log_probs = torch.stack([F.log_softmax(cls_logits, dim=-1), F.log_softmax(word_logits, dim=-1)])
+            return torch.logsumexp(log_probs, dim=0) - math.log(2.0)
+        # Released 'sum_loss': each classifier trained by its own loss; predict with the summed logits.
+        return (cls_logits, word_logits) if self.training else cls_logits + word_logits
 
 
 def create_classifier_head(
