@@ -18,6 +18,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from timm.layers import BatchNormAct2d, LayerNorm
 from timm.models import generate_default_cfgs
 from timm.models.densenet import DenseBlock, DenseTransition
 from timm.models.vision_transformer import VisionTransformer
@@ -26,7 +27,10 @@ from torch import nn
 from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
 from models.layers.heads import TokenHeadMixin
 
-__all__ = ["DenseNetTokenEmbed", "SoT"]
+__all__ = ["SOT_POS_EMBEDS", "DenseNetTokenEmbed", "SoT", "sinusoid_position_table"]
+
+# Position embeddings of SoT: the released code's fixed sinusoids, or timm's learned table.
+SOT_POS_EMBEDS = ("sincos", "learn")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -51,6 +55,9 @@ class DenseNetTokenEmbed(nn.Module):
         growth_rate: DenseNet growth rate k; 16.
         bn_size: DenseNet bottleneck multiplier (1x1 conv to bn_size·k); 2.
         transition_dim: channels after each transition; 128.
+        transition_relu: whether each transition's BatchNorm is followed by a ReLU. False (default) as in the
+            authors' released code, whose transitions are BN, 1x1 conv, average pool; True is timm's DenseNet
+            transition (BN + ReLU). No parameter changes.
         last_downsample: whether the last block halves the resolution; the 7-layer ablation model
             drops it so its 112 px inputs still give 14x14 tokens (appendix A).
     """
@@ -68,6 +75,7 @@ class DenseNetTokenEmbed(nn.Module):
         growth_rate: int = 16,
         bn_size: int = 2,
         transition_dim: int = 128,
+        transition_relu: bool = False,
         last_downsample: bool = True,
         device=None,
         dtype=None,
@@ -94,7 +102,9 @@ class DenseNetTokenEmbed(nn.Module):
         stages, channels = [], stem_dim
         for i in range(3):
             stages.append(DenseBlock(block_layers, channels, bn_size=bn_size, growth_rate=growth_rate, **dd))
-            transition = DenseTransition(channels + block_layers * growth_rate, transition_dim, **dd)
+            transition = DenseTransition(
+                channels + block_layers * growth_rate, transition_dim,
+                norm_layer=BatchNormAct2d if transition_relu else nn.BatchNorm2d, **dd)
             if i == 2 and not last_downsample:
                 transition.pool = nn.Identity()  # ablation model: keep the resolution in the last block
             stages.append(transition)
@@ -133,8 +143,24 @@ class DenseNetTokenEmbed(nn.Module):
 # SoT models (Table S-1)
 # --------------------------------------------------------------------------------------------------
 
+def sinusoid_position_table(num_positions: int, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[1, num_positions, dim] fixed position embedding (Transformer sinusoids, as the released SoT uses):
+    entry (p, j) is sin(p / 10000^(2⌊j/2⌋ / dim)) for even j and cos of it for odd j; position 0 is the
+    class token's, the word tokens follow in raster order."""
+    position = torch.arange(num_positions, dtype=torch.float64, device=device)[:, None]
+    channel = torch.arange(dim, device=device)
+    angle = position / torch.pow(10000.0, (2 * (channel // 2)).double() / dim)
+    return torch.where(channel % 2 == 0, angle.sin(), angle.cos()).float().unsqueeze(0)
+
+
 class SoT(TokenHeadMixin, VisionTransformer):
     """SoT network (Fig. 1): DenseNet token embedding, timm ViT blocks, SoT classification head.
+
+    Where the authors' released code (jiangtaoxie/SoT, ``sot_src/``) and timm's ViT differ, the default
+    follows the released code and an argument gives the timm form; no choice changes a parameter count:
+    a fixed sinusoidal position embedding (``pos_embed``; kept as a frozen parameter, as released), DenseNet
+    transitions with BatchNorm only (``embed_kwargs={"transition_relu": True}`` adds timm's ReLU) and
+    LayerNorm eps 1e-5 (``norm_eps``; timm's ViT uses 1e-6).
 
     Args:
         img_size, in_chans, num_classes: as for timm's VisionTransformer.
@@ -144,7 +170,10 @@ class SoT(TokenHeadMixin, VisionTransformer):
         mlp_ratio: MLP size / token size (600/240, 1344/384, 1584/528).
         qkv_bias: the authors' blocks have no qkv bias.
         last_downsample: False for the 7-layer ablation model (appendix A).
-        embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, ...).
+        pos_embed: 'sincos' (default): fixed sinusoids, ``sinusoid_position_table``, rebuilt for a new
+            input size; 'learn': timm's trained position embedding. One of SOT_POS_EMBEDS.
+        norm_eps: eps of every LayerNorm (blocks and final norm); 1e-5 as released (PyTorch's default).
+        embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, transition_relu, ...).
         head: 'sot' (default) or 'linear' (timm's class-token classifier: the baseline of Table 3a); see
             ``TokenHeadMixin``.
         head_defaults: the variant's SoT head settings (Table S-1 m, n; Table S-3 dropout), under any
@@ -164,6 +193,8 @@ class SoT(TokenHeadMixin, VisionTransformer):
         mlp_ratio: float = 2.5,
         qkv_bias: bool = False,
         last_downsample: bool = True,
+        pos_embed: str = "sincos",
+        norm_eps: float = 1e-5,
         embed_kwargs: dict | None = None,
         head: str = "sot",
         head_defaults: dict | None = None,
@@ -174,6 +205,9 @@ class SoT(TokenHeadMixin, VisionTransformer):
             if kwargs.keys() & {"mgcrp_m", "mgcrp_n", "repr_size"}:  # an explicit shape replaces the variant's
                 defaults = {k: v for k, v in defaults.items() if k not in ("mgcrp_m", "mgcrp_n")}
             kwargs = {**defaults, **kwargs}
+        if pos_embed not in SOT_POS_EMBEDS:
+            raise ValueError(f"pos_embed={pos_embed!r} is not a SoT position embedding; valid: {SOT_POS_EMBEDS}")
+        kwargs.setdefault("norm_layer", partial(LayerNorm, eps=norm_eps))
         super().__init__(
             head=head,
             img_size=img_size,
@@ -186,8 +220,23 @@ class SoT(TokenHeadMixin, VisionTransformer):
             mlp_ratio=mlp_ratio,
             qkv_bias=qkv_bias,
             embed_layer=partial(DenseNetTokenEmbed, last_downsample=last_downsample, **(embed_kwargs or {})),
+            pos_embed="learn",
             **kwargs,
         )
+        self.fixed_pos_embed = pos_embed == "sincos"
+        if self.fixed_pos_embed:
+            self._set_sinusoid_pos_embed()
+
+    def _set_sinusoid_pos_embed(self) -> None:
+        # A frozen Parameter, not a buffer: the released model counts it among its parameters.
+        table = sinusoid_position_table(self.pos_embed.shape[1], self.embed_dim, device=self.pos_embed.device)
+        self.pos_embed = nn.Parameter(table.to(self.pos_embed.dtype), requires_grad=False)
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's resize; the fixed sinusoids are rebuilt for the new token count, not interpolated."""
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        if self.fixed_pos_embed:
+            self._set_sinusoid_pos_embed()
 
 
 _cfg = partial(cfg_without_weights, first_conv="patch_embed.stem.0")

@@ -19,7 +19,7 @@ from models.layers.heads import (
 )
 from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
 from models.measure import build_on_meta, count_gmacs, count_params
-from models.sot import DenseNetTokenEmbed
+from models.sot import DenseNetTokenEmbed, sinusoid_position_table
 
 # --------------------------------------------------------------------------------------------------
 # The paper's tables
@@ -100,6 +100,53 @@ def test_token_embedding_gives_14x14_word_tokens_at_the_paper_resolution(name, s
         model = timm.create_model(name)
         tokens = model.forward_features(torch.zeros(1, 3, side, side))
     assert tokens.shape == (1, 1 + 14 * 14, model.embed_dim)
+
+
+def test_sinusoid_table_is_sine_on_even_and_cosine_on_odd_channels():
+    table, dim = sinusoid_position_table(5, 8)[0], 8
+    for position, channel in [(0, 0), (0, 1), (3, 0), (3, 1), (4, 6), (4, 7)]:
+        angle = position / 10000 ** (2 * (channel // 2) / dim)
+        expected = math.sin(angle) if channel % 2 == 0 else math.cos(angle)
+        assert table[position, channel].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_model_position_embedding_is_fixed_sinusoids_as_released():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
+    torch.testing.assert_close(model.pos_embed.data, sinusoid_position_table(1 + 4 * 4, 240))
+    assert not model.pos_embed.requires_grad
+
+
+def test_learned_position_embedding_option_is_trained():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10, pos_embed="learn")
+    assert model.pos_embed.requires_grad
+    assert not torch.allclose(model.pos_embed.data, sinusoid_position_table(1 + 4 * 4, 240))
+
+
+def test_model_rejects_an_unknown_position_embedding():
+    with pytest.raises(ValueError, match=r"pos_embed='none'.*'sincos', 'learn'"):
+        build_on_meta("sot_7layer", pos_embed="none")
+
+
+@pytest.mark.parametrize("norm_eps", [1e-5, 1e-6])
+def test_every_layer_norm_uses_norm_eps_default_1e5_as_released(norm_eps):
+    model = build_on_meta("sot_7layer", **({} if norm_eps == 1e-5 else {"norm_eps": norm_eps}))
+    layer_norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(layer_norms) == 2 * 7 + 1 and {m.eps for m in layer_norms} == {norm_eps}
+
+
+@pytest.mark.parametrize("transition_relu", [False, True])
+def test_token_embedding_transition_applies_relu_only_when_asked(transition_relu):
+    embed = DenseNetTokenEmbed(img_size=32, embed_dim=16, transition_relu=transition_relu).eval()
+    transition = embed.stages[1]
+    normed = transition.norm(torch.randn(2, transition.norm.num_features, 4, 4))
+    # Released: BN, 1x1 conv, pool (no ReLU); timm's DenseNet transition clamps at zero after its BN.
+    assert bool((normed < 0).any()) is not transition_relu
+
+
+def test_released_backbone_choices_change_no_parameter_count():
+    released = count_params(build_on_meta("sot_tiny"))
+    timm_forms = build_on_meta("sot_tiny", pos_embed="learn", norm_eps=1e-6, embed_kwargs={"transition_relu": True})
+    assert count_params(timm_forms) == released
 
 
 def test_token_embedding_rejects_a_patch_size_its_strides_do_not_give():
@@ -372,5 +419,12 @@ def test_head_returns_pre_logits_when_num_classes_is_zero():
 def test_set_input_size_resizes_tokens_and_position_embedding():
     model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
     model.set_input_size(img_size=(48, 48))
-    assert model(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+    assert model.eval()(torch.randn(2, 3, 48, 48)).shape == (2, 10)
     assert model.pos_embed.shape[1] == 1 + 6 * 6  # 48 -> 24 -> 12 -> 6 (last block keeps the size)
+
+
+def test_set_input_size_rebuilds_the_fixed_sinusoids_rather_than_interpolating_them():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
+    model.set_input_size(img_size=(48, 48))
+    torch.testing.assert_close(model.pos_embed.data, sinusoid_position_table(1 + 6 * 6, 240))
+    assert not model.pos_embed.requires_grad
