@@ -291,6 +291,31 @@ def test_gcp_square_root_converges_to_the_matrix_square_root():
     torch.testing.assert_close(isqrt_newton_schulz(cov, iters=40), expected)
 
 
+def _gcp_reference(pool, tokens: torch.Tensor, *, centre: bool, divisor: int, iters: int) -> torch.Tensor:
+    x = pool.reduce(tokens)
+    if centre:  # released Covariance(remove_mean=True): one scalar mean over all q·d entries
+        x = x - x.mean(dim=(1, 2), keepdim=True)
+    root = isqrt_newton_schulz(x.mT @ x / divisor, iters)
+    rows, cols = torch.triu_indices(pool.cov_dim, pool.cov_dim)
+    return root[:, rows, cols]
+
+
+def test_gcp_follows_the_released_code_by_default():
+    head = create_classifier_head("sot", 32, 10, pooling="gcp", fusion="aggr_all", repr_size=21)  # d = 6
+    tokens = _tokens() + 2.0
+    expected = _gcp_reference(head.pool, tokens, centre=True, divisor=6, iters=3)  # centred, Xᵀ X / d, 3 iterations
+    torch.testing.assert_close(head.pool(tokens), expected)
+
+
+def test_gcp_printed_form_is_uncentred_over_q_with_five_iterations():
+    head = create_classifier_head(
+        "sot", 32, 10, pooling="gcp", fusion="aggr_all", repr_size=21, gcp_iters=5, gcp_centre=False,
+        gcp_scale="tokens")
+    tokens = _tokens() + 2.0
+    expected = _gcp_reference(head.pool, tokens, centre=False, divisor=tokens.shape[1], iters=5)
+    torch.testing.assert_close(head.pool(tokens), expected)
+
+
 def test_repr_size_sets_mgcrp_side():
     head = create_classifier_head("sot", 32, 10, mgcrp_heads=6, repr_size=6 * 24 * 24)
     assert (head.pool.m, head.pool.n, head.repr_size) == (24, 24, 3456)
@@ -305,12 +330,13 @@ def test_sot_head_kwargs_are_all_accepted():
     head = create_classifier_head(
         "sot", 32, 10, fusion="late", late_scheme="mixture", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3,
         mgcrp_n=3, repr_size=18, mgcrp_norm="svpn_approx", mgcrp_centre=False, svpn_alpha=0.5, svpn_num_sv=2,
-        svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
+        svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5, gcp_centre=False, gcp_scale="tokens",
     )
     assert head(_tokens()).shape == (2, 10)
     assert SOT_HEAD_KWARGS == {
         "fusion", "late_scheme", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm",
-        "mgcrp_centre", "svpn_alpha", "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters",
+        "mgcrp_centre", "svpn_alpha", "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters", "gcp_centre",
+        "gcp_scale",
     }
 
 
@@ -335,6 +361,7 @@ def test_sot_head_kwargs_are_all_accepted():
         ({"svpn_iters": 0}, "svpn_iters"),
         ({"svpn_num_sv": 0}, "svpn_num_sv"),
         ({"pooling": "gcp", "gcp_iters": 0}, "gcp_iters"),
+        ({"pooling": "gcp", "gcp_scale": "trace"}, "gcp_scale"),
         ({"mgcrp_width": 3}, "mgcrp_width"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),

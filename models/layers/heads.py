@@ -25,6 +25,7 @@ __all__ = [
     "SOT_FUSIONS",
     "SOT_POOLINGS",
     "SOT_LATE_SCHEMES",
+    "GCP_SCALES",
     "CLASSIFIER_HEADS",
     "create_classifier_head",
     "LinearTokenHead",
@@ -39,6 +40,8 @@ __all__ = [
 CLASSIFIER_HEADS = ("linear", "sot")
 SOT_FUSIONS = ("sum", "concat", "aggr_all", "late")
 SOT_POOLINGS = ("mgcrp", "gcp", "gap")
+# What GCP divides Xᵀ X by: the covariance size d (released code) or the token count q (printed).
+GCP_SCALES = ("dim", "tokens")
 # How 'late' fusion trains and predicts (SoTHead): the released code's two losses, or the printed score mixture.
 SOT_LATE_SCHEMES = ("two_losses", "mixture")
 # Keyword arguments SoTHead accepts (beyond embed_dim, num_classes, has_class_token); stable API.
@@ -57,6 +60,8 @@ SOT_HEAD_KWARGS = frozenset({
     "svpn_iters",
     "mgcrp_dropout",
     "gcp_iters",
+    "gcp_centre",
+    "gcp_scale",
 })
 
 
@@ -98,20 +103,37 @@ def isqrt_newton_schulz(cov: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 class GlobalCovariancePooling(nn.Module):
-    """GCP with matrix power normalisation (Table 2): reduce tokens to d dims, (1/q) X Xᵀ, iSQRT
-    square root, upper triangle as a d(d+1)/2 vector (the covariance is symmetric)."""
+    """GCP with matrix power normalisation (Table 2): reduce the q tokens to d dims (X, q x d), covariance,
+    iSQRT square root, upper triangle as a d(d+1)/2 vector (the covariance is symmetric).
 
-    def __init__(self, dim: int, cov_dim: int, iters: int = 5):
+    The defaults follow the authors' released SoT code (its ``Covariance(remove_mean=True)`` and ``MPN``):
+    X minus the mean of all its q·d entries (one scalar per image), Xᵀ X divided by d, 3 Newton-Schulz
+    iterations. ``centre=False, scale="tokens", iters=5`` is the printed (1/q) X Xᵀ with iSQRT-COV's 5.
+
+    Args:
+        dim: token dimension.
+        cov_dim: d, the reduced dimension.
+        iters: Newton-Schulz iterations of iSQRT.
+        centre: subtract the mean of X's entries first.
+        scale: divide Xᵀ X by 'dim' (d) or 'tokens' (q), one of GCP_SCALES. The square root scales with
+            √ of it (iSQRT post-compensates by √trace), so this sets the pooled values' magnitude.
+    """
+
+    def __init__(self, dim: int, cov_dim: int, iters: int = 3, centre: bool = True, scale: str = "dim"):
         super().__init__()
+        if scale not in GCP_SCALES:
+            raise ValueError(f"unknown GCP scale={scale!r}; valid: {', '.join(GCP_SCALES)}")
         self.reduce = nn.Linear(dim, cov_dim)
-        self.iters = iters
+        self.iters, self.centre, self.scale = iters, centre, scale
         self.repr_size = cov_dim * (cov_dim + 1) // 2
         self.register_buffer("triu", torch.triu_indices(cov_dim, cov_dim).flatten(), persistent=False)
         self.cov_dim = cov_dim
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.reduce(tokens).float()  # Newton-Schulz needs full precision
-        cov = x.mT @ x / x.shape[1]
+        if self.centre:
+            x = x - x.mean(dim=(1, 2), keepdim=True)
+        cov = x.mT @ x / (self.cov_dim if self.scale == "dim" else x.shape[1])
         root = isqrt_newton_schulz(cov, self.iters)
         rows, cols = self.triu.view(2, -1)
         return root[:, rows, cols].to(tokens.dtype)
@@ -148,8 +170,8 @@ class SoTHead(nn.Module):
     (below).
 
     Where the authors' released code (jiangtaoxie/SoT, ``sot_src/``) and the printed paper differ, the
-    default follows the code and an argument gives the printed form: MGCrP centring (``mgcrp_centre``) and
-    'late' fusion (``late_scheme``).
+    default follows the code and an argument gives the printed form: MGCrP centring (``mgcrp_centre``),
+    'late' fusion (``late_scheme``) and the GCP baseline (``gcp_iters``, ``gcp_centre``, ``gcp_scale``).
 
     'late' fusion, ``late_scheme='two_losses'`` (default, the released ``sum_loss`` classifier): in training
     mode the head, and so the model's forward, returns the tuple ``(class_token_logits, word_token_logits)``,
@@ -193,7 +215,9 @@ class SoTHead(nn.Module):
         svpn_iters: #iter of the approximate svPN; default 1 (Table 4c).
         mgcrp_dropout: dropout on the pooled word-token representation ("MGCrP dropout", Table S-3:
             0.0 SoT-Tiny, 0.5 Small, 0.7 Base).
-        gcp_iters: Newton-Schulz iterations of GCP's iSQRT; default 5 (iSQRT-COV's).
+        gcp_iters: Newton-Schulz iterations of GCP's iSQRT; default 3 as released (iSQRT-COV used 5).
+        gcp_centre: centre GCP's reduced tokens, as released (True, default); see ``GlobalCovariancePooling``.
+        gcp_scale: divide GCP's Xᵀ X by 'dim' (d, as released; default) or 'tokens' (q, the printed 1/q).
     """
 
     def __init__(
@@ -215,7 +239,9 @@ class SoTHead(nn.Module):
         svpn_num_sv: int = 1,
         svpn_iters: int = 1,
         mgcrp_dropout: float = 0.0,
-        gcp_iters: int = 5,
+        gcp_iters: int = 3,
+        gcp_centre: bool = True,
+        gcp_scale: str = "dim",
     ):
         super().__init__()
         if fusion is None:
@@ -229,6 +255,8 @@ class SoTHead(nn.Module):
             )
         if late_scheme not in SOT_LATE_SCHEMES:
             raise ValueError(f"unknown late_scheme={late_scheme!r}; valid: {', '.join(SOT_LATE_SCHEMES)}")
+        if gcp_scale not in GCP_SCALES:
+            raise ValueError(f"unknown gcp_scale={gcp_scale!r}; valid: {', '.join(GCP_SCALES)}")
         if pooling not in SOT_POOLINGS:
             raise ValueError(f"unknown pooling={pooling!r}; valid: {', '.join(SOT_POOLINGS)}")
         if not 0.0 <= mgcrp_dropout < 1.0:
@@ -255,7 +283,8 @@ class SoTHead(nn.Module):
                 repr_size = mgcrp_heads * m * n
             if repr_size < 1:
                 raise ValueError(f"repr_size={repr_size!r} is invalid for pooling='gcp'; it must be >= 1")
-            self.pool = GlobalCovariancePooling(embed_dim, math.isqrt(2 * repr_size), iters=gcp_iters)
+            self.pool = GlobalCovariancePooling(
+                embed_dim, math.isqrt(2 * repr_size), iters=gcp_iters, centre=gcp_centre, scale=gcp_scale)
         else:
             if repr_size is not None and repr_size != embed_dim:
                 raise ValueError(
