@@ -523,9 +523,12 @@ def eit16_4_3_large(pretrained: bool = False, **kwargs) -> EIT:
 
 
 # Table 6 (Idx 1.9) counts FLOPs as 2 per multiply-add (its patch-4 ViT, 0.255 GMACs, is listed as
-# 0.515G), hence flops_per_mac=2 beside the printed 0.428G.  It reports CIFAR, not ImageNet.
+# 0.515G), hence flops_per_mac=2 beside the printed 0.428G.  It reports CIFAR, not ImageNet.  Its models
+# carry a trainable position embedding (3.095M with it; Table 10's "Trainable" row), so this variant does;
+# pos_embed="none" gives the embedding-free EIT of Table 1.
 @register_variant(PaperFacts(
     paper="001", family="eit", params=3.095e6, gflops=0.428, flops_per_mac=2, top1=None, img_size=32,
     row="EIT3/1/4-Mini (Table 6, Idx 1.9)"))
 def eit3_1_4_mini(pretrained: bool = False, **kwargs) -> EIT:
-    return build_without_weights(EIT, "eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, **_EIT3_1_4), **kwargs)
+    return build_without_weights(
+        EIT, "eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, pos_embed="learn", **_EIT3_1_4), **kwargs)
