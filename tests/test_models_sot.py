@@ -360,6 +360,7 @@ def test_sot_head_kwargs_are_all_accepted():
         ({"mgcrp_heads": 0}, "mgcrp_heads"),
         ({"svpn_iters": 0}, "svpn_iters"),
         ({"svpn_num_sv": 0}, "svpn_num_sv"),
+        ({"svpn_num_sv": 2}, r"svpn_num_sv\) and iters=1 \(svpn_iters"),
         ({"pooling": "gcp", "gcp_iters": 0}, "gcp_iters"),
         ({"pooling": "gcp", "gcp_scale": "trace"}, "gcp_scale"),
         ({"mgcrp_width": 3}, "mgcrp_width"),
