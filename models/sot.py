@@ -178,8 +178,8 @@ class SoT(TokenHeadMixin, VisionTransformer):
             ``TokenHeadMixin``.
         head_defaults: the variant's SoT head settings (Table S-1 m, n; Table S-3 dropout), under any
             head kwargs given explicitly; unused by head='linear'.
-        **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's), the rest to
-            timm's VisionTransformer (drop_path_rate, ...).
+        **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's, or the released
+            code's where they differ), the rest to timm's VisionTransformer (drop_path_rate, ...).
     """
 
     def __init__(
