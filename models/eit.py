@@ -27,7 +27,7 @@ from timm.models import generate_default_cfgs
 
 from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
 from models.layers.qkv import QKVOverrideMixin
-from models.sot import TokenHeadMixin
+from models.layers.heads import TokenHeadMixin
 
 __all__ = [
     "CHANNEL_SCHEDULES",
@@ -464,8 +464,8 @@ class EIT(TokenHeadMixin, QKVOverrideMixin, EITVisionTransformer):
     """``EITVisionTransformer`` with vitsweep's Q/K/V-embedding and classification-head overrides.
 
     With the defaults it is exactly the paper's EIT.  The overrides are those of every ViT-like family here:
-    ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``) and ``head=`` (``models.sot.TokenHeadMixin``),
-    e.g. ``timm.create_model("eit16_4_3_mini", qkv="fsne", code_size=8, head="sot")``.  Each layer's Q/K/V
+    ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``) and ``head=``
+    (``models.layers.heads.TokenHeadMixin``), e.g. ``timm.create_model("eit16_4_3_mini", qkv="fsne", code_size=8, head="sot")``.  Each layer's Q/K/V
     embedding has that layer's MHA width C_M_i (so ``qkv_hidden_dim`` may be one int per MHA layer, and its
     default is relative to C_M_i); F-SNE's codes (size c, independent of the width) are still shared by all
     layers.  Layers without MHA (C_M_i = 0) have no embedding.
@@ -523,9 +523,12 @@ def eit16_4_3_large(pretrained: bool = False, **kwargs) -> EIT:
 
 
 # Table 6 (Idx 1.9) counts FLOPs as 2 per multiply-add (its patch-4 ViT, 0.255 GMACs, is listed as
-# 0.515G), hence flops_per_mac=2 beside the printed 0.428G.  It reports CIFAR, not ImageNet.
+# 0.515G), hence flops_per_mac=2 beside the printed 0.428G.  It reports CIFAR, not ImageNet.  Its models
+# carry a trainable position embedding (3.095M with it; Table 10's "Trainable" row), so this variant does;
+# pos_embed="none" gives the embedding-free EIT of Table 1.
 @register_variant(PaperFacts(
     paper="001", family="eit", params=3.095e6, gflops=0.428, flops_per_mac=2, top1=None, img_size=32,
     row="EIT3/1/4-Mini (Table 6, Idx 1.9)"))
 def eit3_1_4_mini(pretrained: bool = False, **kwargs) -> EIT:
-    return build_without_weights(EIT, "eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, **_EIT3_1_4), **kwargs)
+    return build_without_weights(
+        EIT, "eit3_1_4_mini", pretrained, dict(_MINI, img_size=32, pos_embed="learn", **_EIT3_1_4), **kwargs)

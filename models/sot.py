@@ -1,12 +1,8 @@
 """SoT: second-order transformer (paper 004, "SoT: Delving Deeper into Classification Head for Transformer").
 
-Everything SoT lives here:
+Everything SoT's backbone lives here; its classification head (the class token and the pooled word tokens
+fused, §3.2 Eq. 1) is ``models.layers.heads.SoTHead``, shared with ViT, XCiT and EIT:
 
-* the classification head (§3.2, Eq. 1): the class token and the pooled word tokens fused by one of
-  four schemes (sum, concat, aggr_all, late); word tokens pooled by GAP, GCP (iSQRT matrix square
-  root) or MGCrP (multi-headed cross-covariance + svPN, ``models.layers``). Any backbone that hands
-  over its final normalised token sequence can use it, via ``create_classifier_head``; a timm model
-  class gets the ``head=`` constructor argument by mixing in ``TokenHeadMixin`` (ViT, XCiT, EIT, SoT);
 * the DenseNet-block token embedding (appendix A, Fig. S-1), a drop-in ``embed_layer`` for timm's
   ``VisionTransformer``;
 * the SoT models (Table S-1): SoT-Tiny/Small/Base and the 7-layer model of the ablations (Tables 3-4),
@@ -19,353 +15,22 @@ record it as ``PaperFacts(flop_ops="conv_linear")``, ``models.measure.count_gmac
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
-from timm.layers import trunc_normal_
+from timm.layers import BatchNormAct2d, LayerNorm
 from timm.models import generate_default_cfgs
 from timm.models.densenet import DenseBlock, DenseTransition
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from models._registry import PaperFacts, build_without_weights, cfg_without_weights, register_variant
-from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
+from models.layers.heads import TokenHeadMixin
 
-__all__ = [
-    "SOT_HEAD_KWARGS",
-    "SOT_FUSIONS",
-    "SOT_POOLINGS",
-    "CLASSIFIER_HEADS",
-    "create_classifier_head",
-    "LinearTokenHead",
-    "TokenHeadMixin",
-    "SoTHead",
-    "GlobalCovariancePooling",
-    "DenseNetTokenEmbed",
-    "SoT",
-]
+__all__ = ["SOT_POS_EMBEDS", "DenseNetTokenEmbed", "SoT", "sinusoid_position_table"]
 
-CLASSIFIER_HEADS = ("linear", "sot")
-SOT_FUSIONS = ("sum", "concat", "aggr_all", "late")
-SOT_POOLINGS = ("mgcrp", "gcp", "gap")
-# Keyword arguments SoTHead accepts (beyond embed_dim, num_classes, has_class_token); stable API.
-SOT_HEAD_KWARGS = frozenset({
-    "fusion",
-    "pooling",
-    "mgcrp_heads",
-    "mgcrp_m",
-    "mgcrp_n",
-    "repr_size",
-    "mgcrp_norm",
-    "svpn_alpha",
-    "svpn_num_sv",
-    "svpn_iters",
-    "mgcrp_dropout",
-    "gcp_iters",
-})
-
-
-# --------------------------------------------------------------------------------------------------
-# Classification heads
-# --------------------------------------------------------------------------------------------------
-
-class LinearTokenHead(nn.Module):
-    """The conventional head: a linear classifier on the class token, or on the mean of the tokens
-    when the backbone has no class token. Takes [B, T, C] tokens, returns [B, num_classes] logits."""
-
-    def __init__(self, embed_dim: int, num_classes: int, *, has_class_token: bool = True):
-        super().__init__()
-        self.has_class_token = has_class_token
-        self.num_features = embed_dim
-        self.fc = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-
-    def forward(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = tokens[:, 0] if self.has_class_token else tokens.mean(dim=1)
-        return x if pre_logits else self.fc(x)
-
-
-class TokenMean(nn.Module):
-    """GAP over tokens, (1/q) Z 1 (Table 2)."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens.mean(dim=1)
-
-
-def isqrt_newton_schulz(cov: torch.Tensor, iters: int) -> torch.Tensor:
-    """Matrix square root of SPD ``cov`` [B, d, d] by iSQRT (Li et al. 2018, ref. [23]).
-
-    Pre-normalise by the trace so the coupled Newton-Schulz iteration converges, iterate
-    Y ← ½Y(3I - ZY), Z ← ½(3I - ZY)Z, then post-compensate by √trace.
-    """
-    eye = torch.eye(cov.shape[-1], device=cov.device, dtype=cov.dtype).expand_as(cov)
-    trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-12)[:, None, None]
-    y, z = cov / trace, eye
-    for _ in range(iters):
-        t = 0.5 * (3.0 * eye - z @ y)
-        y, z = y @ t, t @ z
-    return y * trace.sqrt()
-
-
-class GlobalCovariancePooling(nn.Module):
-    """GCP with matrix power normalisation (Table 2): reduce tokens to d dims, (1/q) X Xᵀ, iSQRT
-    square root, upper triangle as a d(d+1)/2 vector (the covariance is symmetric)."""
-
-    def __init__(self, dim: int, cov_dim: int, iters: int = 5):
-        super().__init__()
-        self.reduce = nn.Linear(dim, cov_dim)
-        self.iters = iters
-        self.repr_size = cov_dim * (cov_dim + 1) // 2
-        self.register_buffer("triu", torch.triu_indices(cov_dim, cov_dim).flatten(), persistent=False)
-        self.cov_dim = cov_dim
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.reduce(tokens).float()  # Newton-Schulz needs full precision
-        cov = x.mT @ x / x.shape[1]
-        root = isqrt_newton_schulz(cov, self.iters)
-        rows, cols = self.triu.view(2, -1)
-        return root[:, rows, cols].to(tokens.dtype)
-
-
-def _resolve_mgcrp_shape(heads: int, m: int | None, n: int | None, repr_size: int | None) -> tuple[int, int]:
-    """(m, n) of MGCrP from whichever of m, n, repr_size = heads·m·n were given (paper: m = n)."""
-    if heads < 1:
-        raise ValueError(f"mgcrp_heads={heads!r} is invalid; it must be >= 1")
-    if m is None and n is None:
-        if repr_size is None:
-            return 14, 14  # 6·14·14 = 1176, the 7-layer / SoT-Tiny choice (Tables 4a, S-1)
-        side = math.isqrt(repr_size // heads) if repr_size > 0 else 0
-        if side < 1 or heads * side * side != repr_size:
-            raise ValueError(
-                f"repr_size={repr_size!r} is not mgcrp_heads·m·m for mgcrp_heads={heads} and an integer m "
-                f"(paper: m = n); pass mgcrp_m/mgcrp_n or a repr_size such as {heads * 14 * 14}"
-            )
-        return side, side
-    m = n if m is None else m
-    n = m if n is None else n
-    if repr_size is not None and heads * m * n != repr_size:
-        raise ValueError(
-            f"repr_size={repr_size!r} does not match mgcrp_heads·mgcrp_m·mgcrp_n = {heads}·{m}·{n} = {heads * m * n}"
-        )
-    return m, n
-
-
-class SoTHead(nn.Module):
-    """SoT classification head (§3.2): class token + pooled word tokens, fused (Eq. 1).
-
-    Takes the backbone's final normalised tokens [B, T, C] (class token first when
-    ``has_class_token``) and returns [B, num_classes] logits.
-
-    Args:
-        embed_dim: C, the token dimension.
-        num_classes: classes; 0 returns the pre-logits representation instead.
-        has_class_token: whether tokens[:, 0] is a class token. Without one (e.g. Swin) every token
-            is a word token and the head is FC(pool(tokens)) (the paper's "MGCrP in place of GAP").
-        fusion: how class token z₀ and word tokens Z meet (Eq. 1, Table 3b): 'sum' FC(z₀) + FC(pool(Z))
-            (the paper's choice), 'concat' FC([z₀, pool(Z)]), 'aggr_all' FC(pool([z₀, Z])),
-            'late' softmax(FC(z₀)) + softmax(FC(pool(Z))). Default: 'sum' with a class token,
-            'aggr_all' without.
-        pooling: word-token pooling (Table 2): 'mgcrp' (paper's), 'gcp' (iSQRT-normalised covariance)
-            or 'gap'.
-        mgcrp_heads: h, MGCrP heads; paper default 6 (Table 4a).
-        mgcrp_m, mgcrp_n: m x n of each head's cross-covariance; default 14 x 14 (SoT-Tiny), 24 for
-            SoT-Small, 38 for SoT-Base (Table S-1). Either alone sets both (the paper uses m = n).
-        repr_size: pooled size h·m·n for MGCrP; an alternative to mgcrp_m/n (must agree when both are
-            given). For GCP it sets the covariance dim d = ⌊√(2·repr_size)⌋ (d(d+1)/2 values, 1176
-            for d = 48 as in Table 3b); it defaults to h·m·n so GCP and MGCrP match in size. For GAP
-            it can only be embed_dim.
-        mgcrp_norm: normalisation of each MGCrP matrix: 'svpn_approx' (Eq. 8, default), 'svpn'
-            (exact Eq. 5), or Table 4d's 'none', 'scale' (learned 1/τ), 'epn', 'ln'.
-        svpn_alpha: α of svPN (Eq. 5), in (0, 1]; default 0.5 (Table 4c).
-        svpn_num_sv: #sv of the approximate svPN; default 1 (Table 4c).
-        svpn_iters: #iter of the approximate svPN; default 1 (Table 4c).
-        mgcrp_dropout: dropout on the pooled word-token representation ("MGCrP dropout", Table S-3:
-            0.0 SoT-Tiny, 0.5 Small, 0.7 Base).
-        gcp_iters: Newton-Schulz iterations of GCP's iSQRT; default 5 (iSQRT-COV's).
-
-    'late' returns log(½(softmax(a) + softmax(b))): the log of the averaged scores, so the head keeps
-    the logits contract (argmax = argmax of the summed scores; softmax of it = the averaged scores).
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_classes: int,
-        *,
-        has_class_token: bool = True,
-        fusion: str | None = None,
-        pooling: str = "mgcrp",
-        mgcrp_heads: int = 6,
-        mgcrp_m: int | None = None,
-        mgcrp_n: int | None = None,
-        repr_size: int | None = None,
-        mgcrp_norm: str = "svpn_approx",
-        svpn_alpha: float = 0.5,
-        svpn_num_sv: int = 1,
-        svpn_iters: int = 1,
-        mgcrp_dropout: float = 0.0,
-        gcp_iters: int = 5,
-    ):
-        super().__init__()
-        if fusion is None:
-            fusion = "sum" if has_class_token else "aggr_all"
-        if fusion not in SOT_FUSIONS:
-            raise ValueError(f"unknown fusion={fusion!r}; valid: {', '.join(SOT_FUSIONS)}")
-        if not has_class_token and fusion != "aggr_all":
-            raise ValueError(
-                f"fusion={fusion!r} needs a class token, but has_class_token=False; "
-                "without one only 'aggr_all' (pool every token) applies"
-            )
-        if pooling not in SOT_POOLINGS:
-            raise ValueError(f"unknown pooling={pooling!r}; valid: {', '.join(SOT_POOLINGS)}")
-        if not 0.0 <= mgcrp_dropout < 1.0:
-            raise ValueError(f"mgcrp_dropout={mgcrp_dropout!r} is invalid; it must lie in [0, 1)")
-        if not 0.0 < svpn_alpha <= 1.0:
-            raise ValueError(f"svpn_alpha={svpn_alpha!r} is invalid; it must lie in (0, 1] (paper Eq. 5)")
-        if mgcrp_norm not in CROSS_COV_NORMS:
-            raise ValueError(f"unknown mgcrp_norm={mgcrp_norm!r}; valid: {', '.join(CROSS_COV_NORMS)}")
-        for name, value in (("svpn_num_sv", svpn_num_sv), ("svpn_iters", svpn_iters), ("gcp_iters", gcp_iters)):
-            if value < 1:
-                raise ValueError(f"{name}={value!r} is invalid; it must be >= 1")
-        self.fusion, self.pooling_name = fusion, pooling
-        self.has_class_token = has_class_token
-
-        if pooling == "mgcrp":
-            m, n = _resolve_mgcrp_shape(mgcrp_heads, mgcrp_m, mgcrp_n, repr_size)
-            self.pool = MGCrP(
-                embed_dim, num_heads=mgcrp_heads, m=m, n=n, norm=mgcrp_norm,
-                alpha=svpn_alpha, num_sv=svpn_num_sv, iters=svpn_iters,
-            )
-        elif pooling == "gcp":
-            if repr_size is None:
-                m, n = _resolve_mgcrp_shape(mgcrp_heads, mgcrp_m, mgcrp_n, None)
-                repr_size = mgcrp_heads * m * n
-            if repr_size < 1:
-                raise ValueError(f"repr_size={repr_size!r} is invalid for pooling='gcp'; it must be >= 1")
-            self.pool = GlobalCovariancePooling(embed_dim, math.isqrt(2 * repr_size), iters=gcp_iters)
-        else:
-            if repr_size is not None and repr_size != embed_dim:
-                raise ValueError(
-                    f"repr_size={repr_size!r} is invalid for pooling='gap': GAP keeps embed_dim={embed_dim} values"
-                )
-            self.pool = TokenMean()
-            self.pool.repr_size = embed_dim
-        self.repr_size = self.pool.repr_size
-        self.repr_drop = nn.Dropout(mgcrp_dropout)
-
-        def linear(in_features: int) -> nn.Module:
-            return nn.Linear(in_features, num_classes) if num_classes > 0 else nn.Identity()
-
-        if fusion in ("sum", "late"):
-            self.cls_fc, self.word_fc = linear(embed_dim), linear(self.repr_size)
-            self.num_features = embed_dim + self.repr_size
-        elif fusion == "concat":
-            self.fc = linear(embed_dim + self.repr_size)
-            self.num_features = embed_dim + self.repr_size
-        else:
-            self.fc = linear(self.repr_size)
-            self.num_features = self.repr_size
-        self.num_classes = num_classes
-
-    def forward(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.fusion == "aggr_all":
-            pooled = self.repr_drop(self.pool(tokens))
-            return pooled if pre_logits else self.fc(pooled)
-        cls_token = tokens[:, 0]
-        pooled = self.repr_drop(self.pool(tokens[:, 1:]))
-        if pre_logits or self.num_classes == 0:
-            return torch.cat([cls_token, pooled], dim=-1)
-        if self.fusion == "sum":
-            return self.cls_fc(cls_token) + self.word_fc(pooled)
-        if self.fusion == "concat":
-            return self.fc(torch.cat([cls_token, pooled], dim=-1))
-        log_probs = torch.stack(
-            [F.log_softmax(self.cls_fc(cls_token), dim=-1), F.log_softmax(self.word_fc(pooled), dim=-1)]
-        )
-        return torch.logsumexp(log_probs, dim=0) - math.log(2.0)
-
-
-def create_classifier_head(
-    head: str,
-    embed_dim: int,
-    num_classes: int,
-    *,
-    has_class_token: bool = True,
-    **head_kwargs,
-) -> nn.Module:
-    """Build a classifier head taking the final normalised tokens [B, T, C] to [B, num_classes] logits.
-
-    ``head``: 'linear' (class token, or GAP without one) or 'sot' (SoTHead; ``head_kwargs`` from
-    SOT_HEAD_KWARGS).
-    """
-    if head == "linear":
-        if head_kwargs:
-            raise ValueError(f"head='linear' takes no head kwargs, got {sorted(head_kwargs)}")
-        return LinearTokenHead(embed_dim, num_classes, has_class_token=has_class_token)
-    if head == "sot":
-        unknown = set(head_kwargs) - SOT_HEAD_KWARGS
-        if unknown:
-            raise ValueError(f"unknown SoT head kwargs {sorted(unknown)}; valid: {sorted(SOT_HEAD_KWARGS)}")
-        return SoTHead(embed_dim, num_classes, has_class_token=has_class_token, **head_kwargs)
-    raise ValueError(f"unknown classifier head={head!r}; valid: {', '.join(CLASSIFIER_HEADS)}")
-
-
-class TokenHeadMixin:
-    """The ``head=`` override of a timm classifier whose ``forward_features`` returns the final normalised tokens.
-
-    Mixed in before the timm model class (ViT, XCiT, EIT and SoT here); the model is built first, then its head
-    is replaced. ``reset_classifier`` keeps the chosen head.
-
-    Args:
-        head: 'linear' keeps the model's own head untouched (pooling, ``reset_classifier``, ``forward_head``),
-            so the model computes exactly what timm's does; 'sot' hands the whole token sequence [B, T, C]
-            (class token first) to ``create_classifier_head("sot", ...)`` (paper 004). With 'sot' the model
-            is built with ``global_pool=""`` so that it does no pooling of its own.
-        **kwargs: ``SOT_HEAD_KWARGS`` go to the SoT head (head='sot' only), the rest to the next class in the
-            MRO (the timm model).
-    """
-
-    head_name: str = "linear"  # until the model is built: timm's behaviour
-
-    def __init__(self, *, head: str = "linear", **kwargs):
-        if head not in CLASSIFIER_HEADS:
-            raise ValueError(f"head={head!r} is not a classifier head; valid: {CLASSIFIER_HEADS}")
-        head_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in SOT_HEAD_KWARGS}
-        if head != "sot" and head_kwargs:
-            raise ValueError(f"{sorted(head_kwargs)} apply only to head='sot', not head={head!r}")
-        if head == "sot":
-            global_pool = kwargs.pop("global_pool", "")
-            if global_pool != "":
-                raise ValueError(
-                    f"global_pool={global_pool!r} is invalid with head='sot': the SoT head pools the tokens "
-                    f"itself; use ''")
-            kwargs["global_pool"] = ""
-        super().__init__(**kwargs)
-        self.head_name, self.head_kwargs = head, head_kwargs
-        if head != "linear":
-            self.reset_classifier(self.num_classes)
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if self.head_name == "linear":
-            return super().reset_classifier(num_classes, global_pool)
-        if global_pool not in (None, ""):
-            raise ValueError(f"global_pool={global_pool!r} is invalid with head={self.head_name!r}; use ''")
-        self.num_classes = num_classes
-        self.head = create_classifier_head(
-            self.head_name, self.embed_dim, num_classes, has_class_token=getattr(self, "has_class_token", True),
-            **self.head_kwargs)
-        self.head_hidden_size = self.head.num_features  # pre-logits size; num_features stays embed_dim (timm)
-        for module in self.head.modules():
-            if isinstance(module, nn.Linear):  # timm's ViT/XCiT init, as the head it replaces had
-                trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.head_name == "linear":
-            return super().forward_head(x, pre_logits=pre_logits)
-        return self.head(self.head_drop(x), pre_logits=pre_logits)
+# Position embeddings of SoT: the released code's fixed sinusoids, or timm's learned table.
+SOT_POS_EMBEDS = ("sincos", "learn")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,6 +55,9 @@ class DenseNetTokenEmbed(nn.Module):
         growth_rate: DenseNet growth rate k; 16.
         bn_size: DenseNet bottleneck multiplier (1x1 conv to bn_size·k); 2.
         transition_dim: channels after each transition; 128.
+        transition_relu: whether each transition's BatchNorm is followed by a ReLU. False (default) as in the
+            authors' released code, whose transitions are BN, 1x1 conv, average pool; True is timm's DenseNet
+            transition (BN + ReLU). No parameter changes.
         last_downsample: whether the last block halves the resolution; the 7-layer ablation model
             drops it so its 112 px inputs still give 14x14 tokens (appendix A).
     """
@@ -407,6 +75,7 @@ class DenseNetTokenEmbed(nn.Module):
         growth_rate: int = 16,
         bn_size: int = 2,
         transition_dim: int = 128,
+        transition_relu: bool = False,
         last_downsample: bool = True,
         device=None,
         dtype=None,
@@ -433,7 +102,9 @@ class DenseNetTokenEmbed(nn.Module):
         stages, channels = [], stem_dim
         for i in range(3):
             stages.append(DenseBlock(block_layers, channels, bn_size=bn_size, growth_rate=growth_rate, **dd))
-            transition = DenseTransition(channels + block_layers * growth_rate, transition_dim, **dd)
+            transition = DenseTransition(
+                channels + block_layers * growth_rate, transition_dim,
+                norm_layer=BatchNormAct2d if transition_relu else nn.BatchNorm2d, **dd)
             if i == 2 and not last_downsample:
                 transition.pool = nn.Identity()  # ablation model: keep the resolution in the last block
             stages.append(transition)
@@ -472,8 +143,24 @@ class DenseNetTokenEmbed(nn.Module):
 # SoT models (Table S-1)
 # --------------------------------------------------------------------------------------------------
 
+def sinusoid_position_table(num_positions: int, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[1, num_positions, dim] fixed position embedding (Transformer sinusoids, as the released SoT uses):
+    entry (p, j) is sin(p / 10000^(2⌊j/2⌋ / dim)) for even j and cos of it for odd j; position 0 is the
+    class token's, the word tokens follow in raster order."""
+    position = torch.arange(num_positions, dtype=torch.float64, device=device)[:, None]
+    channel = torch.arange(dim, device=device)
+    angle = position / torch.pow(10000.0, (2 * (channel // 2)).double() / dim)
+    return torch.where(channel % 2 == 0, angle.sin(), angle.cos()).float().unsqueeze(0)
+
+
 class SoT(TokenHeadMixin, VisionTransformer):
     """SoT network (Fig. 1): DenseNet token embedding, timm ViT blocks, SoT classification head.
+
+    Where the authors' released code (jiangtaoxie/SoT, ``sot_src/``) and timm's ViT differ, the default
+    follows the released code and an argument gives the timm form; no choice changes a parameter count:
+    a fixed sinusoidal position embedding (``pos_embed``; kept as a frozen parameter, as released), DenseNet
+    transitions with BatchNorm only (``embed_kwargs={"transition_relu": True}`` adds timm's ReLU) and
+    LayerNorm eps 1e-5 (``norm_eps``; timm's ViT uses 1e-6).
 
     Args:
         img_size, in_chans, num_classes: as for timm's VisionTransformer.
@@ -483,13 +170,16 @@ class SoT(TokenHeadMixin, VisionTransformer):
         mlp_ratio: MLP size / token size (600/240, 1344/384, 1584/528).
         qkv_bias: the authors' blocks have no qkv bias.
         last_downsample: False for the 7-layer ablation model (appendix A).
-        embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, ...).
+        pos_embed: 'sincos' (default): fixed sinusoids, ``sinusoid_position_table``, rebuilt for a new
+            input size; 'learn': timm's trained position embedding. One of SOT_POS_EMBEDS.
+        norm_eps: eps of every LayerNorm (blocks and final norm); 1e-5 as released (PyTorch's default).
+        embed_kwargs: further DenseNetTokenEmbed arguments (stem_dim, growth_rate, transition_relu, ...).
         head: 'sot' (default) or 'linear' (timm's class-token classifier: the baseline of Table 3a); see
             ``TokenHeadMixin``.
         head_defaults: the variant's SoT head settings (Table S-1 m, n; Table S-3 dropout), under any
             head kwargs given explicitly; unused by head='linear'.
-        **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's), the rest to
-            timm's VisionTransformer (drop_path_rate, ...).
+        **kwargs: SOT_HEAD_KWARGS for the head (see SoTHead; defaults are the paper's, or the released
+            code's where they differ), the rest to timm's VisionTransformer (drop_path_rate, ...).
     """
 
     def __init__(
@@ -503,6 +193,8 @@ class SoT(TokenHeadMixin, VisionTransformer):
         mlp_ratio: float = 2.5,
         qkv_bias: bool = False,
         last_downsample: bool = True,
+        pos_embed: str = "sincos",
+        norm_eps: float = 1e-5,
         embed_kwargs: dict | None = None,
         head: str = "sot",
         head_defaults: dict | None = None,
@@ -513,6 +205,9 @@ class SoT(TokenHeadMixin, VisionTransformer):
             if kwargs.keys() & {"mgcrp_m", "mgcrp_n", "repr_size"}:  # an explicit shape replaces the variant's
                 defaults = {k: v for k, v in defaults.items() if k not in ("mgcrp_m", "mgcrp_n")}
             kwargs = {**defaults, **kwargs}
+        if pos_embed not in SOT_POS_EMBEDS:
+            raise ValueError(f"pos_embed={pos_embed!r} is not a SoT position embedding; valid: {SOT_POS_EMBEDS}")
+        kwargs.setdefault("norm_layer", partial(LayerNorm, eps=norm_eps))
         super().__init__(
             head=head,
             img_size=img_size,
@@ -525,8 +220,23 @@ class SoT(TokenHeadMixin, VisionTransformer):
             mlp_ratio=mlp_ratio,
             qkv_bias=qkv_bias,
             embed_layer=partial(DenseNetTokenEmbed, last_downsample=last_downsample, **(embed_kwargs or {})),
+            pos_embed="learn",
             **kwargs,
         )
+        self.fixed_pos_embed = pos_embed == "sincos"
+        if self.fixed_pos_embed:
+            self._set_sinusoid_pos_embed()
+
+    def _set_sinusoid_pos_embed(self) -> None:
+        # A frozen Parameter, not a buffer: the released model counts it among its parameters.
+        table = sinusoid_position_table(self.pos_embed.shape[1], self.embed_dim, device=self.pos_embed.device)
+        self.pos_embed = nn.Parameter(table.to(self.pos_embed.dtype), requires_grad=False)
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's resize; the fixed sinusoids are rebuilt for the new token count, not interpolated."""
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        if self.fixed_pos_embed:
+            self._set_sinusoid_pos_embed()
 
 
 _cfg = partial(cfg_without_weights, first_conv="patch_embed.stem.0")

@@ -2,6 +2,7 @@
 
 - ``deit_{tiny,small,base}_p16``: DeiT-Ti/S/B, timm's ``deit_*_patch16_224`` architectures.
 - ``armour_{tiny,small,base}``: the same with Armour attention, W_Q = W_V (paper 002 Eq. 2, Table 3).
+- ``vit_mini_p4``: the plain ViT that paper 001 Table 6 compares EIT3/1/4-Mini with on 32 px data.
 
 Every variant takes the overrides of ``ViT`` (``qkv=``, ``head=`` and their options), e.g.
 ``timm.create_model("deit_tiny_p16", qkv="fsne", code_size=8)``.
@@ -11,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from timm.models import get_pretrained_cfg
+from timm.models import generate_default_cfgs, get_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from models._registry import PaperFacts, build_on_timm_architecture, register_variant
+from models._registry import (
+    PaperFacts,
+    build_on_timm_architecture,
+    build_without_weights,
+    cfg_without_weights,
+    register_variant,
+)
 from models.layers.qkv import QKVOverrideMixin
-from models.sot import TokenHeadMixin
+from models.layers.heads import TokenHeadMixin
 
 __all__ = ["ViT"]
 
@@ -25,9 +32,9 @@ class ViT(TokenHeadMixin, QKVOverrideMixin, VisionTransformer):
     """timm's VisionTransformer with a choice of Q/K/V embedding and classification head.
 
     Takes ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``: every block's attention), ``head=``
-    and the SoT head's options (``models.sot.TokenHeadMixin``), and the rest of timm's VisionTransformer
-    arguments (img_size, num_classes, embed_dim, depth, num_heads, drop_path_rate, ...). With the defaults
-    ``qkv="linear", head="linear"`` it is timm's model, weight for weight.
+    and the SoT head's options (``models.layers.heads.TokenHeadMixin``), and the rest of timm's
+    VisionTransformer arguments (img_size, num_classes, embed_dim, depth, num_heads, drop_path_rate, ...).
+    With the defaults ``qkv="linear", head="linear"`` it is timm's model, weight for weight.
     """
 
 
@@ -91,3 +98,21 @@ def armour_small(pretrained: bool = False, **kwargs) -> ViT:
 def armour_base(pretrained: bool = False, **kwargs) -> ViT:
     """Armour-B: DeiT-B with W_Q = W_V in every block (paper 002 Table 3)."""
     return _create_armour("armour_base", "deit_base_patch16_224.fb_in1k", pretrained, **dict(_DEIT_BASE, **kwargs))
+
+
+default_cfgs = generate_default_cfgs({
+    # Table 6's counts are for CIFAR-10 (10 classes) at 32 x 32.
+    "vit_mini_p4": cfg_without_weights(
+        num_classes=10, input_size=(3, 32, 32), crop_pct=1.0, first_conv="patch_embed.proj"),
+})
+
+
+# Paper 001 Table 6, Idx 1.1: EIT3/1/4-Mini's structure (C = 250, 5 layers, 10 heads, MLP 4C) as a plain
+# ViT with 4 x 4 patches (8 x 8 tokens + the class token at 32 px); FLOPs printed at 2 per multiply-add.
+@register_variant(PaperFacts(
+    paper="001", family="vit", params=3.798e6, gflops=0.515, flops_per_mac=2, img_size=32,
+    row="ViT (Table 6, Idx 1.1)"))
+def vit_mini_p4(pretrained: bool = False, **kwargs) -> ViT:
+    """The ViT of paper 001 Table 6 (3.798M at 10 classes), the same size as ``eit3_1_4_mini``."""
+    model_args = dict(img_size=32, patch_size=4, embed_dim=250, depth=5, num_heads=10, mlp_ratio=4.0)
+    return build_without_weights(ViT, "vit_mini_p4", pretrained, model_args, **kwargs)

@@ -12,7 +12,7 @@ from timm.models.xcit import Xcit, checkpoint_filter_fn
 
 from models._registry import PaperFacts, build_on_timm_architecture, register_variant
 from models.layers.qkv import QKVOverrideMixin
-from models.sot import TokenHeadMixin
+from models.layers.heads import TokenHeadMixin
 
 __all__ = ["XCiT"]
 
@@ -22,8 +22,8 @@ class XCiT(TokenHeadMixin, QKVOverrideMixin, Xcit):
 
     Takes ``qkv=`` and its options (``models.layers.qkv.QKVOverrideMixin``: every XCA block; the
     class-attention blocks keep their own q, k, v), ``head=`` and the SoT head's options
-    (``models.sot.TokenHeadMixin``; the SoT head reads the tokens that leave the class-attention blocks and
-    the final norm), and the rest of timm's Xcit arguments (img_size, num_classes, patch_size, embed_dim,
+    (``models.layers.heads.TokenHeadMixin``; the SoT head reads the tokens that leave the class-attention blocks
+    and the final norm), and the rest of timm's Xcit arguments (img_size, num_classes, patch_size, embed_dim,
     depth, num_heads, eta, tokens_norm, ...).
     """
 

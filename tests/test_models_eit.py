@@ -49,10 +49,9 @@ PAPER_ROWS = [
     ("EIT16/4/3-Tiny", "eit16_4_3_tiny", {}, 224, 8.9e6, 3.84e9, 1),
     ("EIT16/4/3-Base", "eit16_4_3_base", {}, 224, 16.0e6, 6.52e9, 1),
     ("EIT16/4/3-Large", "eit16_4_3_large", {}, 224, 25.3e6, 10.0e9, 1),
-    ("1.9 EIT3/1/4-Mini EITP+EITT", "eit3_1_4_mini", {"pos_embed": "learn"}, 32, 3.095e6, 0.428e9, 2),
+    ("1.9 EIT3/1/4-Mini EITP+EITT", "eit3_1_4_mini", {}, 32, 3.095e6, 0.428e9, 2),
     # EIT_P alone: every layer is plain MHA (C_T = 0), as Table 8's "None" row.
-    ("1.7 EIT3/1/4-Mini EITP only", "eit3_1_4_mini", {"pos_embed": "learn", "conv_channels": [0] * 5},
-     32, 3.793e6, 0.527e9, 2),
+    ("1.7 EIT3/1/4-Mini EITP only", "eit3_1_4_mini", {"conv_channels": [0] * 5}, 32, 3.793e6, 0.527e9, 2),
 ]
 ROW_IDS = [row[0] for row in PAPER_ROWS]
 
@@ -251,28 +250,28 @@ def test_image_too_small_for_a_token_raises_value_error_naming_img_size():
         timm.create_model("eit16_4_3_mini", img_size=8)
 
 
-def test_no_position_embedding_by_default():
-    for name in VARIANT_NAMES:
-        with torch.device("meta"):
-            model = timm.create_model(name)
-        assert model.pos_embed is None
-        assert not any("pos_embed" in n for n, _ in model.named_parameters())
-
-
-def test_learned_position_embedding_has_one_vector_per_token():
+@pytest.mark.parametrize("name", [name for name in VARIANT_NAMES if name.startswith("eit16_4_3")])
+def test_table_5_variants_have_no_position_embedding(name):
     with torch.device("meta"):
-        model = timm.create_model("eit3_1_4_mini", pos_embed="learn")
-    assert model.pos_embed.shape == (1, 1 + 8 * 8, 250)
+        model = timm.create_model(name)
+    assert model.pos_embed is None
+    assert not any("pos_embed" in n for n, _ in model.named_parameters())
+
+
+def test_table_6_variant_has_a_learned_position_embedding_with_one_vector_per_token():
+    with torch.device("meta"):
+        model = timm.create_model("eit3_1_4_mini")
+    assert model.pos_embed.shape == (1, 1 + 8 * 8, 250) and model.pos_embed.requires_grad
 
 
 def test_learned_position_embedding_rejects_other_input_sizes():
-    model = timm.create_model("eit3_1_4_mini", pos_embed="learn")
+    model = timm.create_model("eit3_1_4_mini")
     with pytest.raises(ValueError, match="8x8"):
         model(torch.randn(1, 3, 64, 64))
 
 
 def test_without_position_embedding_any_input_size_runs():
-    model = timm.create_model("eit3_1_4_mini", num_classes=3)
+    model = timm.create_model("eit3_1_4_mini", num_classes=3, pos_embed="none")
     assert model(torch.randn(1, 3, 48, 48)).shape == (1, 3)
 
 

@@ -5,7 +5,7 @@ import torch
 
 import models  # noqa: F401  (registers the variants)
 from models.measure import build_on_meta
-from models.sot import SoTHead
+from models.layers.heads import SoTHead
 
 # The smallest variant of every family that takes both overrides.
 OVERRIDABLE = ["deit_tiny_p16", "xcit_nano_12_p16", "eit16_4_3_mini"]

@@ -6,19 +6,20 @@ import math
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import models  # noqa: F401  (registers the variants)
-from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
-from models.measure import build_on_meta, count_gmacs, count_params
-from models.sot import (
+from models.layers.heads import (
     SOT_FUSIONS,
     SOT_HEAD_KWARGS,
     SOT_POOLINGS,
-    DenseNetTokenEmbed,
     SoTHead,
     create_classifier_head,
     isqrt_newton_schulz,
 )
+from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
+from models.measure import build_on_meta, count_gmacs, count_params
+from models.sot import DenseNetTokenEmbed, sinusoid_position_table
 
 # --------------------------------------------------------------------------------------------------
 # The paper's tables
@@ -101,6 +102,53 @@ def test_token_embedding_gives_14x14_word_tokens_at_the_paper_resolution(name, s
     assert tokens.shape == (1, 1 + 14 * 14, model.embed_dim)
 
 
+def test_sinusoid_table_is_sine_on_even_and_cosine_on_odd_channels():
+    table, dim = sinusoid_position_table(5, 8)[0], 8
+    for position, channel in [(0, 0), (0, 1), (3, 0), (3, 1), (4, 6), (4, 7)]:
+        angle = position / 10000 ** (2 * (channel // 2) / dim)
+        expected = math.sin(angle) if channel % 2 == 0 else math.cos(angle)
+        assert table[position, channel].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_model_position_embedding_is_fixed_sinusoids_as_released():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
+    torch.testing.assert_close(model.pos_embed.data, sinusoid_position_table(1 + 4 * 4, 240))
+    assert not model.pos_embed.requires_grad
+
+
+def test_learned_position_embedding_option_is_trained():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10, pos_embed="learn")
+    assert model.pos_embed.requires_grad
+    assert not torch.allclose(model.pos_embed.data, sinusoid_position_table(1 + 4 * 4, 240))
+
+
+def test_model_rejects_an_unknown_position_embedding():
+    with pytest.raises(ValueError, match=r"pos_embed='none'.*'sincos', 'learn'"):
+        build_on_meta("sot_7layer", pos_embed="none")
+
+
+@pytest.mark.parametrize("norm_eps", [1e-5, 1e-6])
+def test_every_layer_norm_uses_norm_eps_default_1e5_as_released(norm_eps):
+    model = build_on_meta("sot_7layer", **({} if norm_eps == 1e-5 else {"norm_eps": norm_eps}))
+    layer_norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(layer_norms) == 2 * 7 + 1 and {m.eps for m in layer_norms} == {norm_eps}
+
+
+@pytest.mark.parametrize("transition_relu", [False, True])
+def test_token_embedding_transition_applies_relu_only_when_asked(transition_relu):
+    embed = DenseNetTokenEmbed(img_size=32, embed_dim=16, transition_relu=transition_relu).eval()
+    transition = embed.stages[1]
+    normed = transition.norm(torch.randn(2, transition.norm.num_features, 4, 4))
+    # Released: BN, 1x1 conv, pool (no ReLU); timm's DenseNet transition clamps at zero after its BN.
+    assert bool((normed < 0).any()) is not transition_relu
+
+
+def test_released_backbone_choices_change_no_parameter_count():
+    released = count_params(build_on_meta("sot_tiny"))
+    timm_forms = build_on_meta("sot_tiny", pos_embed="learn", norm_eps=1e-6, embed_kwargs={"transition_relu": True})
+    assert count_params(timm_forms) == released
+
+
 def test_token_embedding_rejects_a_patch_size_its_strides_do_not_give():
     with pytest.raises(ValueError, match="patch_size"):
         DenseNetTokenEmbed(img_size=224, patch_size=14)
@@ -134,7 +182,7 @@ def _tokens(batch: int = 2, num_tokens: int = 17, dim: int = 32, seed: int = 0) 
 def test_head_with_each_fusion_and_pooling_gives_logits(fusion, pooling):
     head = create_classifier_head("sot", 32, 10, fusion=fusion, pooling=pooling, mgcrp_heads=2, mgcrp_m=4)
     tokens = _tokens().requires_grad_()
-    logits = head(tokens)
+    logits = head.eval()(tokens)
     assert logits.shape == (2, 10)
     logits.sum().backward()
     assert torch.isfinite(tokens.grad).all()
@@ -165,7 +213,7 @@ def test_linear_head_classifies_the_class_token_or_the_token_mean():
 
 
 def _fusion_reference(head: SoTHead, tokens: torch.Tensor) -> torch.Tensor:
-    """Eq. 1 written out with the head's own layers."""
+    """Eq. 1 written out with the head's own layers, as the head predicts (eval mode)."""
     z0, words = tokens[:, 0], tokens[:, 1:]
     if head.fusion == "sum":
         return head.cls_fc(z0) + head.word_fc(head.pool(words))
@@ -173,9 +221,8 @@ def _fusion_reference(head: SoTHead, tokens: torch.Tensor) -> torch.Tensor:
         return head.fc(torch.cat([z0, head.pool(words)], dim=-1))
     if head.fusion == "aggr_all":
         return head.fc(head.pool(tokens))
-    # late: the two classifiers' scores are added; the head returns their log-average.
-    scores = head.cls_fc(z0).softmax(-1) + head.word_fc(head.pool(words)).softmax(-1)
-    return torch.log(scores / 2)
+    # late: the two classifiers' logits are added (the released prediction).
+    return head.cls_fc(z0) + head.word_fc(head.pool(words))
 
 
 @pytest.mark.parametrize("fusion", SOT_FUSIONS)
@@ -191,18 +238,37 @@ def test_head_without_class_token_pools_every_token():
     torch.testing.assert_close(head(tokens), head.fc(head.pool(tokens)))
 
 
-def test_mgcrp_is_per_head_cross_covariance_of_two_projections():
+def _per_head_projections(pool: MGCrP, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(X_i, Y_i) = (W_i Z, R_i Z) of every head, [B, m, q] and [B, n, q], from the pool's own weights."""
+    h, m, n = pool.num_heads, pool.m, pool.n
+    w_all, r_all = pool.proj.weight.split([h * m, h * n])
+    z = tokens.mT  # Z: p x q per image
+    return [(w_all[i * m:(i + 1) * m] @ z, r_all[i * n:(i + 1) * n] @ z) for i in range(h)]
+
+
+def test_mgcrp_uncentred_is_per_head_cross_covariance_of_two_projections_as_printed():
     torch.manual_seed(0)
-    heads, m, n, dim = 3, 4, 5, 16
-    pool = MGCrP(dim, num_heads=heads, m=m, n=n, norm="none")
-    tokens = _tokens(dim=dim)
-    w_all, r_all = pool.proj.weight.split([heads * m, heads * n])
+    pool = MGCrP(16, num_heads=3, m=4, n=5, norm="none", centre=False)
+    tokens = _tokens(dim=16)
+    expected = [(x @ y.mT / tokens.shape[1]).flatten(1) for x, y in _per_head_projections(pool, tokens)]
+    torch.testing.assert_close(pool(tokens), torch.cat(expected, dim=1))  # Eq. 2, (1/q) W Z Zᵀ Rᵀ
+
+
+def test_mgcrp_centres_each_head_projection_by_its_mean_as_the_released_code_does():
+    torch.manual_seed(0)
+    pool = MGCrP(16, num_heads=3, m=4, n=5, norm="none")
+    tokens = _tokens(dim=16) + 3.0  # a token mean far from zero, where centring matters
     expected = []
-    for i in range(heads):
-        w, r = w_all[i * m:(i + 1) * m], r_all[i * n:(i + 1) * n]  # W_i (m x p), R_i (n x p)
-        z = tokens.mT  # Z: p x q per image
-        expected.append((w @ z @ z.mT @ r.T / tokens.shape[1]).flatten(1))  # Eq. 2, (1/q) W Z Zᵀ Rᵀ
+    for x, y in _per_head_projections(pool, tokens):
+        # Released Covariance(remove_mean=True): one scalar mean over all entries of X_i, one of Y_i.
+        x, y = x - x.mean(dim=(1, 2), keepdim=True), y - y.mean(dim=(1, 2), keepdim=True)
+        expected.append((x @ y.mT / tokens.shape[1]).flatten(1))
     torch.testing.assert_close(pool(tokens), torch.cat(expected, dim=1))
+
+
+def test_head_passes_mgcrp_centre_to_its_pooling():
+    assert create_classifier_head("sot", 32, 10, mgcrp_heads=2, mgcrp_m=4).pool.centre
+    assert not create_classifier_head("sot", 32, 10, mgcrp_heads=2, mgcrp_m=4, mgcrp_centre=False).pool.centre
 
 
 def test_mgcrp_exact_svpn_normalises_each_head_matrix():
@@ -225,6 +291,31 @@ def test_gcp_square_root_converges_to_the_matrix_square_root():
     torch.testing.assert_close(isqrt_newton_schulz(cov, iters=40), expected)
 
 
+def _gcp_reference(pool, tokens: torch.Tensor, *, centre: bool, divisor: int, iters: int) -> torch.Tensor:
+    x = pool.reduce(tokens)
+    if centre:  # released Covariance(remove_mean=True): one scalar mean over all q·d entries
+        x = x - x.mean(dim=(1, 2), keepdim=True)
+    root = isqrt_newton_schulz(x.mT @ x / divisor, iters)
+    rows, cols = torch.triu_indices(pool.cov_dim, pool.cov_dim)
+    return root[:, rows, cols]
+
+
+def test_gcp_follows_the_released_code_by_default():
+    head = create_classifier_head("sot", 32, 10, pooling="gcp", fusion="aggr_all", repr_size=21)  # d = 6
+    tokens = _tokens() + 2.0
+    expected = _gcp_reference(head.pool, tokens, centre=True, divisor=6, iters=3)  # centred, Xᵀ X / d, 3 iterations
+    torch.testing.assert_close(head.pool(tokens), expected)
+
+
+def test_gcp_printed_form_is_uncentred_over_q_with_five_iterations():
+    head = create_classifier_head(
+        "sot", 32, 10, pooling="gcp", fusion="aggr_all", repr_size=21, gcp_iters=5, gcp_centre=False,
+        gcp_scale="tokens")
+    tokens = _tokens() + 2.0
+    expected = _gcp_reference(head.pool, tokens, centre=False, divisor=tokens.shape[1], iters=5)
+    torch.testing.assert_close(head.pool(tokens), expected)
+
+
 def test_repr_size_sets_mgcrp_side():
     head = create_classifier_head("sot", 32, 10, mgcrp_heads=6, repr_size=6 * 24 * 24)
     assert (head.pool.m, head.pool.n, head.repr_size) == (24, 24, 3456)
@@ -237,13 +328,15 @@ def test_gcp_repr_size_defaults_to_mgcrp_size():
 
 def test_sot_head_kwargs_are_all_accepted():
     head = create_classifier_head(
-        "sot", 32, 10, fusion="sum", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3, mgcrp_n=3, repr_size=18,
-        mgcrp_norm="svpn_approx", svpn_alpha=0.5, svpn_num_sv=2, svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5,
+        "sot", 32, 10, fusion="late", late_scheme="mixture", pooling="mgcrp", mgcrp_heads=2, mgcrp_m=3,
+        mgcrp_n=3, repr_size=18, mgcrp_norm="svpn_approx", mgcrp_centre=False, svpn_alpha=0.5, svpn_num_sv=2,
+        svpn_iters=2, mgcrp_dropout=0.1, gcp_iters=5, gcp_centre=False, gcp_scale="tokens",
     )
     assert head(_tokens()).shape == (2, 10)
     assert SOT_HEAD_KWARGS == {
-        "fusion", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm", "svpn_alpha",
-        "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters",
+        "fusion", "late_scheme", "pooling", "mgcrp_heads", "mgcrp_m", "mgcrp_n", "repr_size", "mgcrp_norm",
+        "mgcrp_centre", "svpn_alpha", "svpn_num_sv", "svpn_iters", "mgcrp_dropout", "gcp_iters", "gcp_centre",
+        "gcp_scale",
     }
 
 
@@ -260,13 +353,16 @@ def test_sot_head_kwargs_are_all_accepted():
         ({"svpn_alpha": 0.0}, "svpn_alpha"),
         ({"svpn_alpha": 1.2}, "svpn_alpha"),
         ({"fusion": "product"}, "fusion"),
+        ({"fusion": "late", "late_scheme": "average"}, "late_scheme"),
         ({"pooling": "max"}, "pooling"),
         ({"mgcrp_norm": "batchnorm"}, "mgcrp_norm"),
         ({"mgcrp_dropout": 1.0}, "mgcrp_dropout"),
         ({"mgcrp_heads": 0}, "mgcrp_heads"),
         ({"svpn_iters": 0}, "svpn_iters"),
         ({"svpn_num_sv": 0}, "svpn_num_sv"),
+        ({"svpn_num_sv": 2}, r"svpn_num_sv\) and iters=1 \(svpn_iters"),
         ({"pooling": "gcp", "gcp_iters": 0}, "gcp_iters"),
+        ({"pooling": "gcp", "gcp_scale": "trace"}, "gcp_scale"),
         ({"mgcrp_width": 3}, "mgcrp_width"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
@@ -301,10 +397,45 @@ def test_svpn_alpha_outside_zero_one_is_rejected_by_the_model():
         timm.create_model("sot_7layer", img_size=32, svpn_alpha=1.5)
 
 
-def test_late_fusion_scores_are_a_distribution():
-    head = create_classifier_head("sot", 32, 10, fusion="late", mgcrp_heads=2, mgcrp_m=4)
-    probs = head(_tokens()).exp().sum(-1)
-    torch.testing.assert_close(probs, torch.ones(2))
+def _late_head(**kwargs) -> SoTHead:
+    return create_classifier_head("sot", 32, 10, fusion="late", mgcrp_heads=2, mgcrp_m=4, **kwargs)
+
+
+def test_late_fusion_trains_with_the_class_token_and_word_token_logits_apart():
+    head, tokens = _late_head().train(), _tokens()
+    cls_logits, word_logits = head(tokens)
+    torch.testing.assert_close(cls_logits, head.cls_fc(tokens[:, 0]))
+    torch.testing.assert_close(word_logits, head.word_fc(head.pool(tokens[:, 1:])))
+
+
+def test_late_fusion_gives_each_branch_the_gradient_of_plain_cross_entropy_on_it():
+    head, tokens, targets = _late_head().train(), _tokens(), torch.tensor([3, 7])
+    outputs = head(tokens)
+    sum(F.cross_entropy(logits, targets) for logits in outputs).backward()  # the documented tuple-loss contract
+    for fc, features in ((head.cls_fc, tokens[:, 0]), (head.word_fc, head.pool(tokens[:, 1:]).detach())):
+        plain = torch.autograd.grad(F.cross_entropy(F.linear(features, fc.weight, fc.bias), targets), fc.weight)[0]
+        torch.testing.assert_close(fc.weight.grad, plain)
+
+
+def test_late_fusion_predicts_with_the_sum_of_the_two_logits():
+    head, tokens = _late_head().eval(), _tokens()
+    expected = head.cls_fc(tokens[:, 0]) + head.word_fc(head.pool(tokens[:, 1:]))
+    torch.testing.assert_close(head(tokens), expected)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_late_fusion_mixture_scheme_returns_the_log_of_the_averaged_scores(training):
+    head, tokens = _late_head(late_scheme="mixture").train(training), _tokens()
+    scores = head.cls_fc(tokens[:, 0]).softmax(-1) + head.word_fc(head.pool(tokens[:, 1:])).softmax(-1)
+    torch.testing.assert_close(head(tokens), torch.log(scores / 2))
+
+
+def test_late_fusion_model_returns_two_logits_in_training_and_their_sum_in_eval():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10, fusion="late")
+    images = torch.randn(2, 3, 32, 32)
+    cls_logits, word_logits = model.train()(images)
+    assert cls_logits.shape == word_logits.shape == (2, 10)
+    assert model.eval()(images).shape == (2, 10)
 
 
 def test_head_returns_pre_logits_when_num_classes_is_zero():
@@ -316,5 +447,12 @@ def test_head_returns_pre_logits_when_num_classes_is_zero():
 def test_set_input_size_resizes_tokens_and_position_embedding():
     model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
     model.set_input_size(img_size=(48, 48))
-    assert model(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+    assert model.eval()(torch.randn(2, 3, 48, 48)).shape == (2, 10)
     assert model.pos_embed.shape[1] == 1 + 6 * 6  # 48 -> 24 -> 12 -> 6 (last block keeps the size)
+
+
+def test_set_input_size_rebuilds_the_fixed_sinusoids_rather_than_interpolating_them():
+    model = timm.create_model("sot_7layer", img_size=32, num_classes=10)
+    model.set_input_size(img_size=(48, 48))
+    torch.testing.assert_close(model.pos_embed.data, sinusoid_position_table(1 + 6 * 6, 240))
+    assert not model.pos_embed.requires_grad

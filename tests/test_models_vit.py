@@ -5,7 +5,7 @@ import torch
 
 import models  # noqa: F401  (registers the variants)
 from models.layers.qkv import ArmourAttention, ArmourQKV
-from models.measure import build_on_meta, count_params
+from models.measure import build_on_meta, count_gmacs, count_params
 
 # Paper 002 Table 3: reported params (M, one decimal) per row.
 PAPER_002_TABLE_3 = {
@@ -21,6 +21,13 @@ PAPER_002_TABLE_3 = {
 @pytest.mark.parametrize(("name", "paper_params_m"), PAPER_002_TABLE_3.values(), ids=PAPER_002_TABLE_3.keys())
 def test_params_match_paper_002_table_3_to_its_precision(name, paper_params_m):
     assert round(count_params(build_on_meta(name)) / 1e6, 1) == paper_params_m
+
+
+def test_table_6_vit_matches_paper_001_row_1_1():
+    # 3.798M at 10 classes; 0.515G printed at 2 FLOPs per multiply-add (the convention of that table).
+    model = build_on_meta("vit_mini_p4")
+    assert count_params(model) == pytest.approx(3.798e6, rel=0.02)
+    assert 2 * count_gmacs(model, 32) == pytest.approx(0.515, rel=0.05)
 
 
 # Paper 002 Table 3 "# params Δ" of Armour against its DeiT.

@@ -121,8 +121,9 @@ def test_default_hidden_width_is_paper_000_table_1(kind, dim, hidden):
     ids=["Nano F-SNE 8*", "Tiny F-SNE 8*", "Tiny F-SNE 16*"],
 )
 def test_match_baseline_params_solves_paper_000_table_1_starred_widths(dim, code_size, hidden):
-    # Table 1's Nano 16* width, 182, exceeds the linear baseline (by 278 params a block); our rule (largest
-    # width not above the baseline) gives 180. Its model still matches Table 2 (see test_models_xcit).
+    # Table 1's Nano 16* width, 182, exceeds the linear baseline (by 3,384 params over the 12 blocks; README,
+    # deviations); our rule (largest width not above the baseline) gives 180. Its model still matches Table 2
+    # (see test_models_xcit).
     embeddings = build_qkv_embeddings("fsne", dim, 12, code_size=code_size, match_baseline_params=True)
     assert {e.hidden_dim for e in embeddings} == {hidden}
 

@@ -106,7 +106,7 @@ def test_exact_svpn_gradient_is_finite_for_rank_deficient_input():
 
 
 def test_approx_svpn_gradient_reaches_input_and_initial_vector():
-    norm = SvPN(num_cols=5, alpha=0.5, exact=False, num_sv=2, iters=1)
+    norm = SvPN(num_cols=5, alpha=0.5, exact=False, num_sv=2, iters=2)
     q = torch.randn(3, 5, 5, requires_grad=True)
     norm(q).pow(2).sum().backward()
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
@@ -121,7 +121,20 @@ def test_svpn_rejects_alpha_outside_zero_one(alpha):
 
 def test_svpn_rejects_more_singular_values_than_the_matrix_has():
     with pytest.raises(ValueError, match="num_sv"):
-        SvPN(num_cols=3, num_sv=4)(torch.randn(2, 3, 3))
+        SvPN(num_cols=3, num_sv=4, iters=2)(torch.randn(2, 3, 3))
+
+
+@pytest.mark.parametrize("num_sv", [2, 3])
+def test_approx_svpn_refuses_several_singular_values_from_one_iteration(num_sv):
+    # One iteration leaves a deflated matrix that maps v⁽⁰⁾ to zero: the later triplets would be noise.
+    undefined = rf"num_sv={num_sv} \(svpn_num_sv\) and iters=1 \(svpn_iters\) is undefined"
+    with pytest.raises(ValueError, match=undefined):
+        SvPN(num_cols=5, num_sv=num_sv, iters=1)
+
+
+def test_exact_svpn_does_not_refuse_the_approximation_knobs_it_ignores():
+    q = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(SvPN(num_cols=5, exact=True, num_sv=2, iters=1)(q), svpn_exact(q, 0.5))
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "approx"])

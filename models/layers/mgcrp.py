@@ -2,7 +2,8 @@
 
 Each head i projects the tokens Z (p x q) twice, X = W_i Z (m x q) and Y = R_i Z (n x q), and pools
 them into the normalised cross-covariance GCrP_i(Z) = norm((1/q) X Yᵀ) (Eq. 2); MGCrP concatenates
-the h heads into an h·m·n vector (Eq. 3). The normalisation defaults to the fast svPN (Eq. 8); the
+the h heads into an h·m·n vector (Eq. 3). By default X and Y are centred first, as in the authors'
+released code (see ``MGCrP``). The normalisation defaults to the fast svPN (Eq. 8); the
 alternatives of Table 4d are available for ablations.
 """
 from __future__ import annotations
@@ -90,6 +91,10 @@ class MGCrP(nn.Module):
         num_sv: #sv of the approximate svPN (Eq. 8), default 1.
         iters: #iter of the approximate svPN (Eq. 6), default 1.
         bias: whether the W_i / R_i projections carry a bias (Eq. 2 has none).
+        centre: subtract from each head's X_i the mean of all its m·q entries, and from Y_i the mean of
+            its n·q entries, before the product (True, default), as the authors' released ``Covariance``
+            does (``remove_mean=True``: one scalar per head and image, not the per-row mean of a textbook
+            covariance); False computes Eq. 2 as printed, (1/q) X_i Y_iᵀ of the uncentred projections.
     """
 
     def __init__(
@@ -103,12 +108,13 @@ class MGCrP(nn.Module):
         num_sv: int = 1,
         iters: int = 1,
         bias: bool = False,
+        centre: bool = True,
     ):
         super().__init__()
         for name, value in (("num_heads", num_heads), ("m", m), ("n", n)):
             if value < 1:
                 raise ValueError(f"MGCrP {name}={value!r} is invalid; it must be >= 1")
-        self.num_heads, self.m, self.n = num_heads, m, n
+        self.num_heads, self.m, self.n, self.centre = num_heads, m, n, centre
         self.repr_size = num_heads * m * n
         # W_1..W_h and R_1..R_h as one projection: a single matmul over the tokens.
         self.proj = nn.Linear(dim, num_heads * (m + n), bias=bias)
@@ -120,6 +126,9 @@ class MGCrP(nn.Module):
         x, y = self.proj(tokens).split([h * m, h * n], dim=-1)
         x = x.reshape(batch, q, h, m).permute(0, 2, 3, 1)  # X_i = W_i Z: [B, h, m, q]
         y = y.reshape(batch, q, h, n).transpose(1, 2)  # Y_iᵀ = (R_i Z)ᵀ: [B, h, q, n]
-        cross_cov = (x @ y) / q  # (1/q) W_i Z Zᵀ R_iᵀ (Eq. 2)
+        if self.centre:
+            x = x - x.mean(dim=(-2, -1), keepdim=True)
+            y = y - y.mean(dim=(-2, -1), keepdim=True)
+        cross_cov = (x @ y) / q  # (1/q) X_i Y_iᵀ (Eq. 2)
         normed = self.norm(cross_cov.reshape(batch * h, m, n))
         return normed.reshape(batch, self.repr_size)

@@ -514,7 +514,7 @@ def replace_qkv_embeddings(attentions: Sequence[nn.Module], kind: str, **builder
 class QKVOverrideMixin:
     """The ``qkv=`` override of a timm model: its attention modules get a ``QKV_KINDS`` embedding.
 
-    Mixed in before the timm model class (after ``models.sot.TokenHeadMixin`` where both are used); the model
+    Mixed in before the timm model class (after ``models.layers.heads.TokenHeadMixin`` where both are used); the model
     is built first, then the ``qkv`` Linear of every module ``qkv_attentions()`` returns is replaced.
 
     Args:

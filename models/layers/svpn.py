@@ -7,7 +7,8 @@ singular values, svPN(Q) = Σ_i λ_i^α u_i v_iᵀ (Eq. 5). Two ways to compute 
   nearly repeat (MGCrP matrices are often rank-deficient and identity-like at init);
 * ``svpn_approx``: power iteration with deflation (Eqs. 6-7) for the r largest singular values,
   the remaining spectrum scaled by the r-th one (Eq. 8). With r = 1 this is Q / λ̂₁^(1-α), where
-  λ̂₁ is the power-iteration *estimate* after #iter steps, not the exact σ₁.
+  λ̂₁ is the power-iteration *estimate* after #iter steps, not the exact σ₁. r ≥ 2 needs #iter ≥ 2
+  (``SvPN`` refuses r ≥ 2 with one iteration; see there).
 """
 from __future__ import annotations
 
@@ -157,7 +158,11 @@ class SvPN(nn.Module):
             uses the approximation throughout (20x faster, Table 4c).
         num_sv: #sv, how many leading singular values the approximation estimates (r of Eq. 8);
             paper default 1.
-        iters: #iter, power iterations (Eq. 6) per singular value; paper default 1.
+        iters: #iter, power iterations (Eq. 6) per singular value; paper default 1. With num_sv >= 2 it
+            must be >= 2: after one iteration from v⁽⁰⁾ the estimate is λ̂₁ û v̂ᵀ with û ∝ Q v⁽⁰⁾, and
+            λ̂₁ û v̂ᵀ v⁽⁰⁾ = Q v⁽⁰⁾, so the deflated matrix maps v⁽⁰⁾ (the restart of every deflation step)
+            to exactly zero: the second and later triplets would come from rounding noise (in the authors'
+            code too). The constructor refuses that combination, and a sweep prunes it with this reason.
         eps: guard for divisions by (near-)zero singular values.
 
     The initial vector v⁽⁰⁾ is learned, as in the authors' released code: with a single iteration
@@ -179,6 +184,11 @@ class SvPN(nn.Module):
             raise ValueError(f"svPN num_sv={num_sv!r} is invalid; it must be >= 1")
         if iters < 1:
             raise ValueError(f"svPN iters={iters!r} is invalid; it must be >= 1")
+        if not exact and num_sv >= 2 and iters == 1:
+            raise ValueError(
+                f"approximate svPN with num_sv={num_sv} (svpn_num_sv) and iters=1 (svpn_iters) is undefined: after "
+                "one power iteration the deflated matrix maps v⁽⁰⁾ to exactly zero, so every singular value after "
+                "the first would come from rounding noise; use iters >= 2, num_sv=1 or the exact svPN")
         self.alpha, self.exact, self.num_sv, self.iters, self.eps = alpha, exact, num_sv, iters, eps
         self.v0 = None if exact else nn.Parameter(torch.randn(num_cols))
 
