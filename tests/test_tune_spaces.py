@@ -8,7 +8,8 @@ from pipeline.sweeps.planning import plan_trials, resolve_trial
 from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_space,
                                     load_spaces, parse_space)
 
-SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd"]
+SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd",
+           "eit_vs_vit_digits"]
 
 
 def _base(space, preset="smoke"):
