@@ -8,7 +8,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.tracking import MlflowRun, MlflowStore, local_artifact_root, resolve_tracking_uri
+from pipeline.tracking import MlflowStore, local_artifact_root, resolve_tracking_uri
 
 
 def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
