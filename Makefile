@@ -7,21 +7,31 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vitsweep-setup
 # FFCV compiles against these and loads them at run time (ffcv 1.0.2).
 SYSTEM_PACKAGES := pkg-config g++ libturbojpeg0-dev libopencv-dev
+BROWSER_PACKAGES := chromium chromium-driver
 
-.PHONY: setup demo test system-packages deepspeed-cpu-ops
+.PHONY: setup demo test ui-screenshots system-packages browser-packages deepspeed-cpu-ops
 .DEFAULT_GOAL := test
 
 setup: $(STAMP) deepspeed-cpu-ops
 
-system-packages:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+# apt-get install those of the Debian packages $(1) that are missing ($(2): what they are for).
+define apt_install
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
-	  echo "setup: installing FFCV's system libraries: $$missing"; \
+	  echo "setup: installing $(2): $$missing"; \
 	  command -v apt-get >/dev/null || { echo "setup: apt-get not found; install these Debian packages by hand: $$missing" >&2; exit 1; }; \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null \
 	    || { echo "setup: apt-get could not install: $$missing" >&2; exit 1; }; \
 	fi
+endef
+
+system-packages:
+	$(call apt_install,$(SYSTEM_PACKAGES),FFCV's system libraries)
+
+# The test suite's browser check (tests/test_mlflow_ui.py) drives headless Chromium; the demo does not need it.
+browser-packages:
+	$(call apt_install,$(BROWSER_PACKAGES),Chromium for the MLflow UI check)
 
 $(STAMP): pyproject.toml constraints.txt | system-packages
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
@@ -47,6 +57,10 @@ demo: setup
 	$(BIN)/vitsweep train
 
 # pytest exits 5 when it collected no tests: that is a failure too (nothing was shown).
-test: setup
+test: setup browser-packages
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$status
+
+# The README's MLflow UI screenshots (tests/ui_screenshots/), as the browser check takes them.
+ui-screenshots: setup browser-packages
+	VITSWEEP_UI_SCREENSHOTS=$(CURDIR)/tests/ui_screenshots $(BIN)/python -m pytest -q tests/test_mlflow_ui.py

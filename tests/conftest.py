@@ -6,6 +6,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,13 @@ def digits16(tmp_path_factory) -> dict[str, Path]:
     data = DataConfig(train=str(root / "train.beton"), val=str(root / "val.beton"))
     train, val = prepare_digits(data, img_size=16)
     return {"train": train, "val": val}
+
+
+def free_port() -> int:
+    """A loopback port free now: servers of the tests' own never collide with a user's on the defaults."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def vitsweep_env() -> dict[str, str]:

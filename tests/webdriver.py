@@ -1,0 +1,154 @@
+"""Headless Chromium for tests, driven through Debian's `chromedriver` over the W3C WebDriver protocol
+(JSON over HTTP, so the standard library is enough: no selenium). `make test`'s setup installs
+Debian's `chromium` and `chromium-driver`."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from PIL import Image
+
+from conftest import free_port
+
+# MLflow 3.17's UI keys (`useLocalStorage(key, version)` stores `${key}_v${version}` as JSON): on
+# loopback the UI opens its "MLflow Assistant" panel over a third of the page on first load.
+NO_ASSISTANT_PANEL = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False}
+
+# What a test asserts on: the page heading, and the runs table's header cells (ag-grid) by column id.
+PAGE_FACTS_JS = """
+return {heading: (document.querySelector('h2') || {}).innerText || null,
+        columns: [...document.querySelectorAll('.ag-header-cell[col-id]')].map(h => h.getAttribute('col-id')),
+        column_groups: [...document.querySelectorAll('.ag-header-group-cell')].map(h => h.innerText.trim()),
+        text: document.body.innerText};
+"""
+
+
+def browser_binaries() -> tuple[str, str]:
+    """Chromium and its chromedriver; an error naming the packages when either is missing."""
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        raise RuntimeError("the browser check needs Debian's `chromium` and `chromium-driver` "
+                           "(`make test` installs them; or `apt-get install chromium chromium-driver`)")
+    return chromium, driver
+
+
+class Browser:
+    """One headless Chromium session: open pages, wait for text, read facts, save screenshots."""
+
+    def __init__(self, width: int = 1400, height: int = 900):
+        chromium, driver = browser_binaries()
+        self.width, self.height = width, height
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.driver = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        self.session = None
+        try:
+            self._wait_for_driver()
+            options = {"binary": chromium,
+                       "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                                "--hide-scrollbars", f"--window-size={width},{height}"]}
+            caps = {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}}
+            self.session = self._call("POST", "/session", caps)["sessionId"]
+            self._resize(width, height)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Browser:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            if self.session:
+                self._call("DELETE", f"/session/{self.session}")
+        finally:
+            self.driver.terminate()
+            self.driver.wait(timeout=30)
+
+    def _wait_for_driver(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._call("GET", "/status")
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _resize(self, width: int, height: int) -> None:
+        """Make the viewport (what a screenshot holds) ``width`` x ``height``: the window adds its frame."""
+        window = self._session("GET", "/window/rect")
+        inner_width, inner_height = self.script("return [window.innerWidth, window.innerHeight]")
+        self._session("POST", "/window/rect", {"width": width + window["width"] - inner_width,
+                                               "height": height + window["height"] - inner_height})
+
+    def _call(self, method: str, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())["value"]
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"WebDriver {method} {path}: {err.read().decode()[:500]}") from None
+
+    def _session(self, method: str, path: str, body: dict | None = None):
+        return self._call(method, f"/session/{self.session}{path}", body)
+
+    def script(self, js: str, *args):
+        return self._session("POST", "/execute/sync", {"script": js, "args": list(args)})
+
+    def open(self, url: str) -> None:
+        self._session("POST", "/url", {"url": url})
+
+    def seed_local_storage(self, url: str, items: dict) -> None:
+        """Set localStorage for ``url``'s origin from a page of it that runs no app code (MLflow's
+        /health), so the app reads the values when it next starts; a hash URL on the app's own page
+        would not reload it."""
+        parts = urlsplit(url)
+        self.open(f"{parts.scheme}://{parts.netloc}/health")
+        self.script("for (const [k, v] of Object.entries(arguments[0])) localStorage.setItem(k, JSON.stringify(v));",
+                    items)
+
+    def wait_for_text(self, *texts: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            body = self.script("return document.body ? document.body.innerText : ''")
+            missing = [text for text in texts if text not in body]
+            if not missing:
+                time.sleep(1.0)  # cells and charts fill in after the first text appears
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the page never showed {missing!r}; it shows: {body[:800]!r}")
+            time.sleep(0.5)
+
+    def facts(self, every_column: bool = False) -> dict:
+        """The heading, runs-table column ids and group headers, and the page text. ``every_column``
+        widens the window first: ag-grid renders only the columns in view."""
+        if every_column:
+            self._resize(6000, self.height)
+            time.sleep(1.5)
+        facts = self.script(PAGE_FACTS_JS)
+        if every_column:
+            self._resize(self.width, self.height)
+        return facts
+
+    def screenshot(self, path: Path) -> Path:
+        """The viewport as a PNG reduced to a 256-colour palette (UI screenshots stay legible and small)."""
+        image = Image.open(io.BytesIO(base64.b64decode(self._session("GET", "/screenshot")))).convert("RGB")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.quantize(colors=256).save(path, optimize=True)
+        return path
