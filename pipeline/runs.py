@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,6 +44,7 @@ from pipeline.distillation import build_teacher
 from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
+from pipeline.jobs import check_paths_outlive_job, git_provenance
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin)
@@ -209,6 +209,7 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     Writes nothing but a dataset the config asks to prepare; the MLflow store is only opened
     (a new local store's schema created) so that opening the run later is quick.
     """
+    check_paths_outlive_job(cfg)
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
     facts = ModelFacts.measure(cfg.model, data.num_classes)
@@ -248,11 +249,6 @@ def check_resources(cfg: ExperimentConfig, local: bool) -> None:
 
 
 def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "torch_version": version("torch"),
         "deepspeed_version": version("deepspeed"),
@@ -260,8 +256,7 @@ def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
         "python_version": platform.python_version(),
         "accelerator": "cuda" if cfg.scaling.use_gpu else "cpu",
         "world_size": str(cfg.scaling.num_workers),
-        "mlflow.source.git.commit": commit or "unknown",
-        "git_commit": commit or "unknown",
+        **git_provenance(),
     }
 
 

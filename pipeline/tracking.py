@@ -120,31 +120,41 @@ def check_logger_can_reach(uri: str, ray_address: str | None) -> None:
 SAVED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow 3.17 UI: an experiment tag per saved runs-table view
 
 
-def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str | None:
-    """The MLflow UI page of a run, or of an experiment's runs table (``view``: a saved view), on a
-    server store; None for a local store (its UI is `mlflow ui` on this machine, address unknown).
+WORKFLOW_TYPE = "workflowType=machine_learning"  # MLflow 3.17's UI opens experiments in its GenAI view otherwise
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
-    ``workflowType=machine_learning``: MLflow 3.17 opens experiments in its GenAI view otherwise.
-    """
+
+def _ui_root(uri: str) -> str:
     if not uri.startswith(("http://", "https://")):
-        return None
-    return local_ui_link(uri.rstrip("/"), experiment_id, run_id, view)
+        raise ValueError(f"MLflow UI links need a tracking server URI (http:// or https://), not {uri!r}")
+    return uri.rstrip("/")
 
 
-def local_ui_link(base: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
-    if run_id:
-        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
-    shown = f"viewStateShareKey={view}&" if view else ""
-    return f"{base}/#/experiments/{experiment_id}/runs?{shown}workflowType=machine_learning"
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
+    """A run's page (``run_id``), else the experiment's runs table, opened in saved view ``view`` if given.
+
+    Every link carries ``workflowType=machine_learning``: the UI ignores the ``mlflow.experimentKind``
+    tag, and the query parameter works on every route.
+    """
+    root = f"{_ui_root(uri)}/#/experiments/{experiment_id}"
+    if run_id is not None:
+        return f"{root}/runs/{run_id}?{WORKFLOW_TYPE}"
+    shared_view = "" if view is None else f"viewStateShareKey={view}&"
+    return f"{root}/runs?{shared_view}{WORKFLOW_TYPE}"
+
+
+def ui_compare_link(uri: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The UI's compare page of these runs (its own links carry the JSON lists unencoded)."""
+    return (f"{_ui_root(uri)}/#/compare-runs?runs={json.dumps(run_ids, separators=(',', ':'))}"
+            f"&experiments={json.dumps([experiment_id])}&{WORKFLOW_TYPE}")
 
 
 def where_to_look(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
     """The console's lines saying where a run or sweep is in the MLflow UI."""
-    link = ui_link(uri, experiment_id, run_id, view)
-    if link:
-        return f"  MLflow UI: {link}"
+    if uri.startswith(("http://", "https://")):
+        return f"  MLflow UI: {ui_link(uri, experiment_id, run_id, view)}"
     return (f"  see it with: mlflow ui --backend-store-uri {uri}\n"
-            f"  then open: {local_ui_link('http://127.0.0.1:5000', experiment_id, run_id, view)}")
+            f"  then open: {ui_link(LOCAL_UI, experiment_id, run_id, view)}")
 
 
 def command_line() -> str:

@@ -117,5 +117,6 @@ def test_the_readme_ray_job_submit_command_trains_a_run_with_its_data_and_proven
     [run] = client.search_runs(experiments)
     assert run.info.status == "FINISHED"
     assert run.data.tags["git_commit"] == git_provenance(REPO)["git_commit"] != "unknown"
+    assert run.data.tags["git_dirty"] == git_provenance(REPO)["git_dirty"]
     train = storage / "data" / "digits_16_train.beton"
     assert run.data.params["data.train"] == str(train) and train.is_file()

@@ -6,6 +6,7 @@ The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` r
 tests/ui_screenshots/), else to the test's temp dir."""
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,20 +18,20 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import free_port, run_vitsweep, train_command, vitsweep_env
-from pipeline.ui_links import ui_compare_link, ui_link
+from pipeline.tracking import ui_compare_link, ui_link
 from test_tune_e2e import tune_command
 from webdriver import NO_ASSISTANT_PANEL, Browser
 
 pytestmark = pytest.mark.slow
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
-SWEEP_VIEW = "vitsweep"  # the saved runs-table view the sweep's link opens (the lead's #14 change)
+PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, digits16) -> Path:
+def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
     """A store holding what a user has after `make demo` and a small sweep: a 2-epoch training run
-    and a 2-trial grid over the QKV embedding (kept small: 2 cores)."""
+    and a 2-trial grid over the QKV embedding (kept small: 2 cores); and the UI links each printed."""
     storage = tmp_path_factory.mktemp("ui-store")
     demo = run_vitsweep(train_command(storage, digits16, "optim.epochs=2", "run.name=demo"))
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
@@ -39,12 +40,14 @@ def store(tmp_path_factory, digits16) -> Path:
     sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
                                       "tune.scheduler=fifo"), timeout=1200)
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
-    return storage
+    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
+    return storage, links
 
 
 @pytest.fixture(scope="module")
 def server(store) -> str:
     """`mlflow server` on a free loopback port over the store, stopped (its whole process group) after."""
+    store, _ = store
     port = free_port()
     log = (store / "mlflow-server.log").open("w")
     process = subprocess.Popen(
@@ -85,6 +88,7 @@ def _wait_until_healthy(uri: str, process: subprocess.Popen, timeout: float = 12
 @pytest.fixture(scope="module")
 def runs(store):
     """The demo run, the sweep's parent and its trials, and their experiment id."""
+    store, _ = store
     client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
@@ -110,9 +114,17 @@ def browser(server):
         yield chromium
 
 
-def test_the_runs_link_opens_the_run_page_as_a_model_training_run(server, runs, browser, screenshots):
-    experiment, demo, _, _ = runs
-    browser.open(ui_link(server, experiment, run_id=demo.info.run_id))
+def _printed(store, which: str, server: str) -> str:
+    """The link the command printed, on this test's server instead of `mlflow ui`'s default address."""
+    return store[1][which].replace("http://127.0.0.1:5000", server)
+
+
+def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(server, store, runs, browser,
+                                                                               screenshots):
+    _, demo, _, _ = runs
+    link = _printed(store, "demo", server)
+    assert link == ui_link(server, runs[0], run_id=demo.info.run_id)
+    browser.open(link)
     browser.wait_for_text("Overview", "Parameters", "val_top1")
     browser.screenshot(screenshots / "demo_run.png")
     facts = browser.facts()
@@ -121,25 +133,14 @@ def test_the_runs_link_opens_the_run_page_as_a_model_training_run(server, runs, 
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
-def test_the_sweeps_link_opens_the_runs_table_not_the_genai_overview(server, runs, browser, screenshots):
-    experiment, _, sweep, _ = runs
-    browser.open(ui_link(server, experiment))
-    browser.wait_for_text("qkv-sweep", "demo")
+def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
+                                                                             screenshots):
+    browser.open(_printed(store, "sweep", server))
+    browser.wait_for_text("qkv-sweep", "val_top1")
     browser.screenshot(screenshots / "sweep_runs.png")
-    facts = browser.facts()
-    assert facts["heading"] == "Runs"
-    assert "attributes.`Run Name`" in facts["columns"]
-
-
-@pytest.mark.xfail(strict=True, reason="needs the lead's #14 change: short knob params `knob.<name>` and the "
-                                       "sweep's saved runs-table view; drop this mark when it lands")
-def test_the_sweeps_link_shows_its_knobs_as_columns(server, runs, browser):
-    experiment, _, _, _ = runs
-    browser.open(ui_link(server, experiment, view=SWEEP_VIEW))
-    browser.wait_for_text("qkv-sweep")
     facts = browser.facts(every_column=True)
-    assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]
-    assert "params.`knob.qkv`" in facts["columns"]
+    assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
+    assert {"params.`qkv`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):

@@ -36,6 +36,7 @@ from pipeline import uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
+from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import InvalidInputError
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
@@ -188,6 +189,7 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
 
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
+    check_paths_outlive_job(cfg)
     cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
     root = cfg.tune.storage_path or cfg.run.storage_path
