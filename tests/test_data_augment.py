@@ -11,7 +11,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from pipeline.config import AugmentConfig, DataConfig
 from pipeline.data.augment import BatchAugment, RandAugment
-from pipeline.data.loaders import build_train_loader
+from pipeline.data.loaders import NormalizeToFloat, build_train_loader, train_pipelines
 from pipeline.data.rand_augment import OPS, SIGNED, BatchRandAugment, parse_policy, timm_hparams
 from pipeline.data.sources import DigitsSource
 from pipeline.data.writing import write_beton
@@ -187,6 +187,14 @@ def test_rand_augment_operation_takes_uint8_images_after_to_torch_image():
     with pytest.raises(ValueError, match="after ToTorchImage"):
         operation.declare_state_and_memory(
             State(jit_mode=True, device=torch.device("cpu"), shape=(16, 16, 3), dtype=np.dtype("u1")))
+
+
+def test_rand_augment_runs_on_the_device_batch_before_normalising():
+    from ffcv.transforms import ToDevice, ToTorchImage
+
+    image = train_pipelines(DataConfig(), 16, torch.device("cpu"))["image"]
+    kinds = [type(operation) for operation in image]
+    assert kinds.index(ToDevice) < kinds.index(ToTorchImage) < kinds.index(RandAugment) < kinds.index(NormalizeToFloat)
 
 
 def test_train_loader_applies_rand_augment_from_the_config(tmp_path):
