@@ -44,7 +44,9 @@ def _timm_op(name: str, image: np.ndarray, argument) -> np.ndarray:
 def _batched_op(name: str, images: list[np.ndarray], argument) -> np.ndarray:
     op, _ = OPS[name]
     arguments = torch.full((len(images),), 0.0 if argument is None else float(argument), dtype=torch.float64)
-    out = op(_batch_of(images).float(), arguments, FILL).clamp(0, 255).round()
+    out = op(_batch_of(images).float(), arguments, FILL)
+    # The op's own values, unrounded: BatchRandAugment casts them to uint8 as they are.
+    assert torch.equal(out, out.round()) and out.min() >= 0 and out.max() <= 255, name
     return out.permute(0, 2, 3, 1).numpy().astype(int)
 
 

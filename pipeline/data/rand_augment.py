@@ -413,8 +413,8 @@ class BatchRandAugment:
                 rows = torch.nonzero(chosen == op_index).flatten()
                 arguments = level(draws.magnitudes[rows, layer], draws.signs[rows, layer], self.policy.hparams)
                 on_device = _to_device(rows, images.device)
-                result = op(images[on_device].float(), arguments, fill)
-                images[on_device] = result.clamp_(0, 255).round_().to(torch.uint8)
+                # Every op returns whole numbers in 0..255 (as PIL's uint8 results): no rounding pass.
+                images[on_device] = op(images[on_device].float(), arguments, fill).to(torch.uint8)
         return images
 
 
