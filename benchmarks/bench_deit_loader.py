@@ -186,7 +186,8 @@ def main() -> None:
                 for name in runs), flush=True)
         print(f"load average during the run: {os.getloadavg()}")
 
-    print(f"\n| loader (DeiT recipe, 224 px, {args.workers} cores) | images/s (median) | images per CPU-second (median) |")
+    print(f"\n| loader (DeiT recipe, 224 px, {args.workers} cores) | images/s (median) "
+          "| images per CPU-second (median) |")
     print("| --- | ---: | ---: |")
     for name in runs:
         print(f"| {name} | {statistics.median(rates[name]):.0f} | {statistics.median(per_cpu_second[name]):.0f} |")

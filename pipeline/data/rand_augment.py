@@ -300,9 +300,6 @@ OPS: dict[str, tuple[Op, Level]] = {
     "TranslateXRel": (translate_x_rel, _translate_rel_level),
     "TranslateYRel": (translate_y_rel, _translate_rel_level),
 }
-# timm's level functions that negate their argument half the time (_randomly_negate).
-SIGNED = {"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel", "ColorIncreasing",
-          "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing"}
 
 
 # -- the policy, parsed by timm, and the batched transform ------------------------------------------
@@ -332,7 +329,9 @@ def timm_hparams(img_size: int, mean: tuple[float, float, float]) -> dict:
     }
 
 
-def parse_policy(spec: str, img_size: int = 224, mean: tuple[float, float, float] = (0.485, 0.456, 0.406)) -> RandAugmentPolicy:
+def parse_policy(
+    spec: str, img_size: int = 224, mean: tuple[float, float, float] = (0.485, 0.456, 0.406),
+) -> RandAugmentPolicy:
     """Parse ``spec`` with timm's ``rand_augment_transform``; a ValueError names ops not batched here."""
     if not spec.startswith("rand"):
         raise ValueError(f"not a timm RandAugment spec: {spec!r} (it starts with 'rand', e.g. 'rand-m9-mstd0.5-inc1')")

@@ -51,7 +51,9 @@ class WriteOptions(_Record):
 # ffcv-imagenet's ImageNet files (write_imagenet.sh 500 0.50 90): longest side 500 px, half the
 # images JPEG at quality 90, the rest raw -- `vitsweep data write`'s defaults. Raw ImageNet at full
 # size is ~10x larger (slow to stage and verify); all-JPEG decodes slower.
-FFCV_IMAGENET_WRITE = WriteOptions(write_mode="proportion", max_resolution=500, jpeg_quality=90, compress_probability=0.5)
+FFCV_IMAGENET_WRITE = WriteOptions(
+    write_mode="proportion", max_resolution=500, jpeg_quality=90, compress_probability=0.5,
+)
 
 
 class SourceInfo(_Record):

@@ -207,7 +207,8 @@ class _StreamHasher:
         actual = [digest.result() for digest in self.digests]
         bad = [index for index, (a, b) in enumerate(zip(actual, self.sidecar.chunk_sha256)) if a != b]
         if len(actual) != len(self.sidecar.chunk_sha256):
-            return f"has {len(actual)} chunks of {self.chunk_bytes} bytes but its sidecar records {len(self.sidecar.chunk_sha256)}"
+            return (f"has {len(actual)} chunks of {self.chunk_bytes} bytes but its sidecar records "
+                    f"{len(self.sidecar.chunk_sha256)}")
         if bad:
             return (f"has {len(bad)} {self.chunk_bytes}-byte chunk(s) whose SHA-256 differs from its sidecar's "
                     f"(first: chunk {bad[0]}, at byte {bad[0] * self.chunk_bytes})")
