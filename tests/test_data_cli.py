@@ -101,3 +101,13 @@ def test_data_prepare_command_writes_the_configs_files(tmp_path, capsys):
                  "--set", f"data.val={tmp_path}/v.beton"])
     assert code == EXIT_OK
     assert read_sidecar(tmp_path / "t.beton").image_size.max_width == 16  # the smoke preset's model.img_size
+
+
+def test_write_defaults_to_ffcv_imagenets_storage_and_records_chunk_digests(tmp_path):
+    # write_imagenet.sh 500 0.50 90: proportion mode, longest side 500 px, half JPEG at quality 90.
+    beton = tmp_path / "d.beton"
+    assert main(["data", "write", "digits", str(beton), "--split", "val", "--img-size", "8", "--workers", "1"]) == EXIT_OK
+    sidecar = read_sidecar(beton)
+    assert (sidecar.write.write_mode, sidecar.write.max_resolution) == ("proportion", 500)
+    assert (sidecar.write.jpeg_quality, sidecar.write.compress_probability) == (90, 0.5)
+    assert sidecar.chunk_sha256 and len(sidecar.chunk_sha256) == 1

@@ -82,3 +82,21 @@ def test_other_unraisable_exceptions_still_reach_the_previous_hook(recorded_unra
     _RaisesWhenCollected()
     gc.collect()
     assert [r.exc_type for r in recorded_unraisables] == [KeyError]
+
+
+_ABANDON_MID_EPOCH_SCRIPT = """
+import sys
+from pipeline.config import DataConfig
+from pipeline.data.loaders import build_train_loader
+
+loader = build_train_loader(DataConfig(num_workers=1, batches_ahead=3), sys.argv[1], 64, 32, "cpu")
+next(iter(loader))  # exit mid-epoch: ffcv's thread is still augmenting the batches ahead
+"""
+
+
+def test_a_process_that_stops_reading_mid_epoch_exits_cleanly(tmp_path):
+    # Without stopping ffcv's daemon thread first, exit unwinds it inside a torch op: abort, code 134.
+    path = tmp_path / "digits.beton"
+    write_beton(DigitsSource("train", 32), path, num_workers=1)
+    result = subprocess.run([sys.executable, "-c", _ABANDON_MID_EPOCH_SCRIPT, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-2000:]

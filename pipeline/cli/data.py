@@ -26,13 +26,17 @@ def add_parser(commands) -> None:
                        help="digits and CIFAR: which split (digits: fixed, seeded 80/20); "
                             "ImageFolder: the SOURCE/<split> folder")
     write.add_argument("--img-size", type=int, default=None, metavar="PX", help="digits only: image side (default 32)")
-    write.add_argument("--write-mode", choices=["raw", "jpg", "proportion"], default="raw",
-                       help="raw: exact uint8 pixels; jpg: JPEG-compressed; proportion: a random share as JPEG")
-    write.add_argument("--max-resolution", type=int, default=None, metavar="PX",
-                       help="downscale so the longest side is at most PX (default: keep sizes)")
-    write.add_argument("--jpeg-quality", type=int, default=90, metavar="Q", help="JPEG quality 1-100 (default 90)")
-    write.add_argument("--compress-probability", type=float, default=0.5, metavar="P",
-                       help="proportion mode: share of images stored as JPEG (default 0.5)")
+    from pipeline.data.sidecar import FFCV_IMAGENET_WRITE as default  # ffcv-imagenet's settings
+
+    write.add_argument("--write-mode", choices=["raw", "jpg", "proportion"], default=default.write_mode,
+                       help="raw: exact uint8 pixels; jpg: JPEG-compressed; proportion: a random share as JPEG, "
+                            f"the rest raw (default {default.write_mode}, as ffcv-imagenet)")
+    write.add_argument("--max-resolution", type=int, default=default.max_resolution, metavar="PX",
+                       help=f"downscale so the longest side is at most PX (default {default.max_resolution})")
+    write.add_argument("--jpeg-quality", type=int, default=default.jpeg_quality, metavar="Q",
+                       help=f"JPEG quality 1-100 (default {default.jpeg_quality})")
+    write.add_argument("--compress-probability", type=float, default=default.compress_probability, metavar="P",
+                       help=f"proportion mode: share of images stored as JPEG (default {default.compress_probability})")
     write.add_argument("--workers", type=int, default=None, metavar="N", help="writer processes (default: all CPUs)")
     write.add_argument("--overwrite", action="store_true", help="replace OUT.beton if it exists")
     write.set_defaults(run=_write)

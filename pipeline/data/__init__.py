@@ -9,6 +9,7 @@ One concern per module:
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
 - ``augment``   DeiT's recipe: RandAugment in the FFCV pipeline, ``BatchAugment`` on the device
+- ``rand_augment`` timm's RandAugment batched on torch ops (per-sample ops and magnitudes)
 - ``prepare``   ``prepare_digits``: the offline dataset of the demo and the tests
 - ``runtime``   containing ffcv's process-wide side effects (torch thread count, finalizer noise)
 

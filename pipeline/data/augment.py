@@ -1,13 +1,10 @@
 """DeiT's training recipe (Touvron et al. 2021, Table 9): RandAugment, random erasing, Mixup/CutMix,
-label smoothing -- all timm's own implementations, placed where they cost least.
+label smoothing -- timm's semantics throughout, each placed where it costs least.
 
-- ``RandAugment`` is an FFCV pipeline operation: timm's ``rand_augment_transform`` applied per
-  sample to the cropped, flipped uint8 image, exactly where timm/DeiT apply it (before ToTensor).
-  It runs in Python (PIL) in the loader's background thread, one sample at a time: about 0.45 ms
-  per 32 px image and 2 ms per 224 px image on this repo's 2-core CPU, so one process tops out
-  near 500 images/s at 224 px -- enough for small GPUs, the bottleneck on large ones (there, give
-  each worker more CPU cores or switch it off). PIL holds the GIL for much of it, so it also
-  slows the training loop's Python thread somewhat.
+- ``RandAugment`` is an FFCV pipeline operation after ``ToDevice``: timm's RandAugment, batched on
+  the training device (``pipeline.data.rand_augment``: per-sample ops and magnitudes, torch ops on
+  the uint8 batch, before normalisation -- where timm/DeiT apply it, before ToTensor). On a GPU it
+  is a few kernels per batch; on CPU it runs on torch's intra-op threads, not in one PIL thread.
 - ``BatchAugment`` runs on the batch on the training device: timm's ``RandomErasing`` (per sample,
   on the normalised image, as DeiT does) then ``Mixup`` (Mixup or CutMix on the whole batch,
   producing smoothed soft targets); ``loss()`` is the matching criterion.
@@ -17,17 +14,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-import numpy as np
 import torch
-from PIL import Image
 from timm.data import Mixup
-from timm.data import auto_augment
 from timm.data.random_erasing import RandomErasing
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
 from pipeline.config import AugmentConfig
 import pipeline.data.runtime  # noqa: F401  (first: imports ffcv keeping torch's thread count)
+from pipeline.data.rand_augment import BatchRandAugment
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
 from ffcv.pipeline.allocation_query import AllocationQuery
@@ -35,48 +30,35 @@ from ffcv.pipeline.operation import Operation
 from ffcv.pipeline.state import State
 
 
-def _posterize(image: Image.Image, bits_to_keep: int, **_) -> Image.Image:
-    # timm's PosterizeIncreasing keeps 0 bits at magnitude 10, which m9 + mstd0.5 reaches in ~2% of
-    # draws; Pillow 13 (installed here) rejects 0 bits where older Pillow returned black, as timm intends.
-    if bits_to_keep <= 0:
-        return Image.new(image.mode, image.size)
-    return auto_augment.posterize(image, bits_to_keep)
-
-
-def timm_rand_augment(spec: str, img_size: int, mean: tuple[float, float, float]) -> Callable[[Image.Image], Image.Image]:
-    """timm's RandAugment with timm's ImageNet hparams (as ``create_transform`` builds them for DeiT)."""
-    hparams = {
-        "translate_const": int(img_size * 0.45),
-        "img_mean": tuple(min(255, round(255 * m)) for m in mean),
-        "interpolation": Image.BICUBIC,  # DeiT trains with bicubic interpolation
-    }
-    transform = auto_augment.rand_augment_transform(spec, hparams)
-    for op in transform.ops:
-        if op.aug_fn is auto_augment.posterize:
-            op.aug_fn = _posterize
-    return transform
-
-
 class RandAugment(Operation):
-    """FFCV operation: timm's RandAugment on each uint8 HxWx3 image of the batch (CPU, Python)."""
+    """FFCV operation: timm's RandAugment ``spec`` on the uint8 ``[B, 3, H, W]`` batch, on its device.
 
-    def __init__(self, spec: str, img_size: int, mean: tuple[float, float, float]):
+    Place it after ``ToTorchImage``; it writes into a buffer ffcv allocates per batch slot (safe
+    under ffcv's CUDA-stream reuse rules) and draws from a generator seeded with ``seed``.
+    """
+
+    def __init__(self, spec: str, img_size: int, mean: tuple[float, float, float], seed: int = 0):
         super().__init__()
-        self.transform = timm_rand_augment(spec, img_size, mean)
+        self.augment = BatchRandAugment(spec, img_size, mean, seed=seed)
 
     def generate_code(self) -> Callable:
-        transform = self.transform
+        augment = self.augment
 
-        def rand_augment(images: np.ndarray, destination: np.ndarray) -> np.ndarray:
-            for i in range(len(images)):
-                destination[i] = np.asarray(transform(Image.fromarray(images[i])))
-            return destination[: len(images)]
+        def rand_augment(images: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
+            destination = destination[: images.shape[0]]
+            destination.copy_(images)
+            return augment.augment_(destination)
 
         return rand_augment
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
-        # Not JIT-compiled (PIL); same shape and dtype, written into a buffer of its own.
-        return replace(previous_state, jit_mode=False), AllocationQuery(previous_state.shape, previous_state.dtype)
+        if previous_state.dtype != torch.uint8 or previous_state.shape[0] != 3:
+            raise ValueError(
+                f"RandAugment runs on uint8 [3, H, W] images after ToTorchImage, got {previous_state.dtype} "
+                f"{previous_state.shape}"
+            )
+        return (replace(previous_state, jit_mode=False),
+                AllocationQuery(previous_state.shape, torch.uint8, previous_state.device))
 
 
 class BatchAugment:

@@ -19,7 +19,7 @@ from filelock import FileLock
 
 import pipeline.data.runtime  # noqa: F401  (first: imports ffcv keeping torch's thread count)
 from pipeline.data.atomic import write_text_atomically
-from pipeline.data.sidecar import Sidecar, read_sidecar, sha256_of
+from pipeline.data.sidecar import Sidecar, chunk_sha256s, read_sidecar, sha256_of
 from pipeline.errors import InvalidInputError
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
@@ -144,11 +144,25 @@ def check_beton(path: str | Path, sidecar: Sidecar | None = None, verify_checksu
     if counts != list(sidecar.counts_per_class.values()):
         raise CorruptDatasetError(f"{str(path)!r}: its counts per class {counts} differ from its sidecar's")
     if verify_checksum:
-        verify_sha256(path, sidecar.sha256)
+        verify_sha256(path, sidecar)
     return sidecar
 
 
-def verify_sha256(path: str | Path, expected: str) -> None:
+def verify_sha256(path: str | Path, sidecar: Sidecar) -> None:
+    """``path``'s bytes against the sidecar: chunk by chunk on every core where it lists chunk digests,
+    else (sidecars written before those) the whole file's SHA-256 on one."""
+    if sidecar.chunk_sha256 is not None:
+        actual_chunks = chunk_sha256s(path, sidecar.chunk_bytes)
+        bad = [index for index, (a, b) in enumerate(zip(actual_chunks, sidecar.chunk_sha256)) if a != b]
+        if bad or len(actual_chunks) != len(sidecar.chunk_sha256):
+            raise ChecksumMismatchError(
+                f"{str(path)!r}: {len(bad) or 'the number of'} {sidecar.chunk_bytes}-byte chunk(s) differ from the "
+                f"SHA-256 digests its sidecar records (first: chunk {bad[0] if bad else len(actual_chunks)}, at byte "
+                f"{(bad[0] if bad else len(actual_chunks)) * sidecar.chunk_bytes}): the bytes changed after writing "
+                "(corruption, or a different file under the same name); write or stage it again"
+            )
+        return
+    expected = sidecar.sha256
     actual = sha256_of(path)
     if actual != expected:
         raise ChecksumMismatchError(
@@ -204,7 +218,7 @@ def verify_dataset(location: str, record: Path | None = None) -> Sidecar:
         sidecar = check_beton(path)
         stat = path.stat()
         identity = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "sha256": sidecar.sha256}
-        _verify_once(str(path.resolve()), identity, record, lambda: verify_sha256(path, sidecar.sha256))
+        _verify_once(str(path.resolve()), identity, record, lambda: verify_sha256(path, sidecar))
         return sidecar
     sidecar = read_location_sidecar(location)
     filesystem, remote = _open_filesystem(location)

@@ -108,15 +108,17 @@ def label_pipeline(device: torch.device) -> list[Operation]:
     return [IntDecoder(), ToTensor(), Squeeze(1), ToDevice(device, non_blocking=True)]
 
 
-def train_pipelines(data: DataConfig, img_size: int, device: torch.device) -> Pipelines:
+def train_pipelines(data: DataConfig, img_size: int, device: torch.device, seed: int = 0) -> Pipelines:
+    """``seed`` seeds RandAugment's draws (give each rank its own, see ``build_train_loader``)."""
     image: list[Operation] = [
         RandomResizedCropRGBImageDecoder((img_size, img_size), scale=data.crop_scale, ratio=data.crop_ratio),
     ]
     if data.augment.hflip > 0:
         image.append(RandomHorizontalFlip(data.augment.hflip))
-    if data.augment.rand_augment:
-        image.append(RandAugment(data.augment.rand_augment, img_size, data.mean))
-    image += [ToTensor(), ToDevice(device, non_blocking=True), ToTorchImage(), NormalizeToFloat(data.mean, data.std)]
+    image += [ToTensor(), ToDevice(device, non_blocking=True), ToTorchImage()]
+    if data.augment.rand_augment:  # batched on the device, on uint8 before normalising (timm's order)
+        image.append(RandAugment(data.augment.rand_augment, img_size, data.mean, seed=seed))
+    image.append(NormalizeToFloat(data.mean, data.std))
     return {"image": image, "label": label_pipeline(device)}
 
 
@@ -141,10 +143,13 @@ def build_train_loader(
     check_beton(path)
     _check_distributed(distributed, data.order)
     _check_threads(data.num_workers)
+    # ffcv's order needs one seed on every rank; the augmentations should differ per rank.
+    augment_seed = seed * 65_537 + (dist.get_rank() if distributed else 0)
     return DeviceLoader(
         str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
         order=ORDERS[data.order], distributed=distributed, seed=seed, drop_last=data.drop_last,
-        batches_ahead=data.batches_ahead, pipelines=train_pipelines(data, img_size, torch.device(device)),
+        batches_ahead=data.batches_ahead,
+        pipelines=train_pipelines(data, img_size, torch.device(device), seed=augment_seed),
         device=torch.device(device),
     )
 

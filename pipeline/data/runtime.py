@@ -8,15 +8,18 @@
 - ``import ffcv`` fills a numba typed ``Dict``, which JIT-compiles numba's dict functions: ~3 s
   in every process (the driver, each Ray Train worker). ``cache_numba_typed_dict`` turns on numba's
   on-disk cache for exactly those functions first, so only the first process on a machine pays.
+- ffcv's epoch threads are stopped and joined at interpreter exit (see ``_stop_epoch_threads``).
 - When a Loader is garbage-collected, numba dispatcher finalizers can report a harmless
   ``KeyError`` through ``sys.unraisablehook``; ``quiet_numba_finalizers`` drops exactly that report
   for user-facing commands and passes every other one on.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.metadata
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +64,24 @@ class ThreadCountPreservingLoader(_FFCVLoader):
 
     def __iter__(self):
         with preserved_torch_threads():
-            return super().__iter__()
+            iterator = super().__iter__()
+        _live_epoch_iterators.add(iterator)
+        return iterator
+
+
+# ffcv's epoch thread is a daemon running torch ops (ToDevice, normalising, RandAugment) that release
+# the GIL; one still inside such an op when the interpreter exits is unwound through C++ frames that
+# cannot unwind ("terminate called without an active exception", exit code 134). Stop them first.
+_live_epoch_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_epoch_threads(timeout_s: float = 10.0) -> None:
+    iterators = list(_live_epoch_iterators)
+    for iterator in iterators:
+        iterator.terminate_event.set()  # checked between batches
+    for iterator in iterators:
+        iterator.join(timeout_s)
 
 
 _NUMBA_DISPATCHER = str(Path("numba") / "core" / "dispatcher.py")

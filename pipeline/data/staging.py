@@ -6,9 +6,11 @@ over s3/gs/NFS from every worker would be slow and costly. So each node copies a
 included) once into ``cache_dir``; the workers of that node share the copy.
 
 - One copier per node: a file lock in ``cache_dir``; the others wait, then find the copy done.
-- A partial copy never counts: bytes go to a temporary name and are hashed while they stream;
-  only a copy whose SHA-256 matches the remote sidecar is renamed into place, and the sidecar,
-  written last beside it, is what marks it complete.
+- A partial copy never counts: bytes go to a temporary name and are hashed while they stream
+  (each chunk the sidecar lists a digest for on its own thread, so hashing keeps up with the
+  network on every core; older sidecars: the whole file on one); only a copy whose digests match
+  the remote sidecar is renamed into place, and the sidecar, written last beside it, is what
+  marks it complete.
 - The cache is keyed by that SHA-256, so a dataset rewritten under the same URI is fetched anew.
 
 A plain local path is read in place (it is already on a filesystem this node mounts); write it
@@ -20,6 +22,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from filelock import FileLock
@@ -33,6 +36,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.uris import is_uri, redact
 
 _COPY_CHUNK = 8 << 20
+_PENDING_CHUNKS = 8  # chunks read but not yet hashed, at most (8 x 64 MiB)
 CACHE_DIR_ENV = "VITSWEEP_CACHE_DIR"  # a node's local staging directory, set by the cluster
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ def _is_complete_copy(local: Path, sidecar: Sidecar) -> bool:
 
 def _copy_verified(filesystem, remote: str, uri: str, local: Path, sidecar: Sidecar) -> None:
     partial = partial_path(local)
-    digest = hashlib.sha256()
+    hasher = _StreamHasher(sidecar)
     try:
         with filesystem.open(remote, "rb") as source, open(partial, "wb") as target, tqdm(
             total=sidecar.size_bytes, unit="B", unit_scale=True, desc=f"staging {local.name}", leave=False,
@@ -131,21 +135,89 @@ def _copy_verified(filesystem, remote: str, uri: str, local: Path, sidecar: Side
         ) as progress:
             while chunk := source.read(_COPY_CHUNK):
                 target.write(chunk)
-                digest.update(chunk)
+                hasher.update(chunk)
                 progress.update(len(chunk))
+            problem = hasher.mismatch()
     except FileNotFoundError:
         partial.unlink(missing_ok=True)
         raise StagingError(f"cannot read {redact(uri)!r}: not found or not reachable from this node") from None
     except Exception as err:
         partial.unlink(missing_ok=True)
         raise StagingError(redact(f"copying {uri!r} to {str(local)!r} failed: {type(err).__name__}: {err}")) from None
+    finally:
+        hasher.close()
     try:
-        if digest.hexdigest() != sidecar.sha256:
+        if problem:
             raise ChecksumMismatchError(
-                f"{redact(uri)!r} has SHA-256 {digest.hexdigest()} but its sidecar records {sidecar.sha256}: the remote "
-                "file is corrupt or was replaced without its sidecar; nothing was staged"
+                f"{redact(uri)!r} {problem}: the remote file is corrupt or was replaced without its sidecar; nothing was staged"
             )
         publish(partial, local)
         write_sidecar(local, sidecar)
     finally:
         partial.unlink(missing_ok=True)
+
+
+class _StreamHasher:
+    """Hashes a file as it streams past, against its sidecar's digests.
+
+    With chunk digests in the sidecar, each completed chunk is hashed on a thread pool (hashlib
+    releases the GIL), at most ``_PENDING_CHUNKS`` chunks held at once; without them, the whole
+    file's SHA-256 on the copying thread.
+    """
+
+    def __init__(self, sidecar: Sidecar):
+        self.sidecar = sidecar
+        self.chunk_bytes = sidecar.chunk_bytes
+        self.whole = None if self.chunk_bytes else hashlib.sha256()
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1) if self.chunk_bytes else None
+        self.pieces: list[bytes] = []
+        self.filled = 0
+        self.digests: list[Future] = []
+
+    def update(self, data: bytes) -> None:
+        if self.whole is not None:
+            self.whole.update(data)
+            return
+        view = memoryview(data)
+        while len(view):
+            take = view[: self.chunk_bytes - self.filled]
+            self.pieces.append(take)
+            self.filled += len(take)
+            view = view[len(take):]
+            if self.filled == self.chunk_bytes:
+                self._submit()
+
+    def _submit(self) -> None:
+        if len(self.digests) >= _PENDING_CHUNKS:
+            self.digests[-_PENDING_CHUNKS].result()  # bound the memory held by chunks not yet hashed
+        self.digests.append(self.pool.submit(_sha256_of_pieces, self.pieces))
+        self.pieces, self.filled = [], 0
+
+    def mismatch(self) -> str | None:
+        """What differs from the sidecar, or None once every byte has been seen and matches."""
+        if self.whole is not None:
+            actual = self.whole.hexdigest()
+            return None if actual == self.sidecar.sha256 else (
+                f"has SHA-256 {actual} but its sidecar records {self.sidecar.sha256}")
+        if self.pieces or not self.digests:
+            self._submit()  # the last, shorter chunk (or the only one, of an empty file)
+        actual = [digest.result() for digest in self.digests]
+        bad = [index for index, (a, b) in enumerate(zip(actual, self.sidecar.chunk_sha256)) if a != b]
+        if len(actual) != len(self.sidecar.chunk_sha256):
+            return (f"has {len(actual)} chunks of {self.chunk_bytes} bytes but its sidecar records "
+                    f"{len(self.sidecar.chunk_sha256)}")
+        if bad:
+            return (f"has {len(bad)} {self.chunk_bytes}-byte chunk(s) whose SHA-256 differs from its sidecar's "
+                    f"(first: chunk {bad[0]}, at byte {bad[0] * self.chunk_bytes})")
+        return None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _sha256_of_pieces(pieces: list) -> str:
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()

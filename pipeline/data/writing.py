@@ -27,11 +27,12 @@ from pipeline.data.atomic import partial_path, publish
 from pipeline.data.integrity import read_contents
 from pipeline.data.runtime import FFCV_VERSION, preserved_torch_threads
 from pipeline.data.sidecar import (
+    CHUNK_BYTES,
     ImageSizeStats,
     Sidecar,
     SourceInfo,
     WriteOptions,
-    sha256_of,
+    file_digests,
     sidecar_path,
     write_sidecar,
 )
@@ -78,10 +79,13 @@ def write_beton(
             raise InvalidInputError(_describe_failures(source, failed))
         contents = read_contents(partial)  # the loader will follow these structures; check them now
         counts = np.bincount(contents.labels, minlength=len(source.classes)).tolist()
+        whole_sha256, chunk_sha256 = file_digests(partial, CHUNK_BYTES)
         sidecar = Sidecar(
             file=out.name,
             size_bytes=contents.size_bytes,
-            sha256=sha256_of(partial),
+            sha256=whole_sha256,
+            chunk_bytes=CHUNK_BYTES,
+            chunk_sha256=chunk_sha256,
             num_samples=contents.num_samples,
             classes=list(source.classes),
             counts_per_class=dict(zip(source.classes, counts)),
