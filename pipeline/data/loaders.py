@@ -25,7 +25,7 @@ import torch.distributed as dist
 from pipeline.config import DataConfig
 from pipeline.data.augment import RandAugment
 from pipeline.data.integrity import check_beton
-from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads
+from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads, stopped_at_exit
 from pipeline.errors import InvalidInputError
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
@@ -100,7 +100,7 @@ class DeviceLoader(ThreadCountPreservingLoader):
             self.next_epoch += 1
             if self.code is None or self.recompile:
                 self.generate_code()
-            return _DeviceEpochIterator(self, order)
+            return stopped_at_exit(_DeviceEpochIterator(self, order))
 
 
 def label_pipeline(device: torch.device) -> list[Operation]:

@@ -64,15 +64,19 @@ class ThreadCountPreservingLoader(_FFCVLoader):
 
     def __iter__(self):
         with preserved_torch_threads():
-            iterator = super().__iter__()
-        _live_epoch_iterators.add(iterator)
-        return iterator
+            return stopped_at_exit(super().__iter__())
 
 
 # ffcv's epoch thread is a daemon running torch ops (ToDevice, normalising, RandAugment) that release
 # the GIL; one still inside such an op when the interpreter exits is unwound through C++ frames that
 # cannot unwind ("terminate called without an active exception", exit code 134). Stop them first.
 _live_epoch_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+def stopped_at_exit(iterator):
+    """``iterator`` (an ffcv epoch thread), registered to be stopped before the interpreter exits."""
+    _live_epoch_iterators.add(iterator)
+    return iterator
 
 
 @atexit.register
