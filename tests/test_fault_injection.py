@@ -10,6 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import RunningVitsweep, run_vitsweep, train_command, wait_for
+from pipeline.checkpointing import read_meta
 from pipeline.runs import unregistered_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -124,3 +125,42 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
     (run,) = _runs(storage)
     assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
     assert unregistered_checkpoints(storage / "full") == []
+
+
+def test_a_corrupt_latest_checkpoint_is_named_and_skipped_for_the_newest_intact_one(tmp_path, digits16):
+    storage = tmp_path / "runs"
+    args = train_command(storage, digits16, "run.name=damaged", "optim.epochs=4")
+    driver = RunningVitsweep(args)
+    driver.wait_for_line("epoch 2/4  train_loss")  # two checkpoints registered
+    driver.process.kill()
+    driver.finish(timeout=60)
+    checkpoints = {read_meta(path)["epoch"]: path for path in (storage / "damaged").glob("checkpoint_*")
+                   if path.is_dir()}  # by epoch index (from 0); the kill may come after a third
+    newest_epoch = max(checkpoints)
+    newest = checkpoints[newest_epoch]
+    states = next(newest.rglob("*model_states.pt"))
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
+
+    result = run_vitsweep(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"warning: checkpoint {newest} is corrupt" in result.stdout
+    (run,) = _runs(storage)
+    assert run.info.status == "FINISHED"
+    resumed = MlflowClient(f"sqlite:///{storage}/mlflow.db").get_metric_history(run.info.run_id, "resumed_at_epoch")
+    # from the checkpoint before it: the damaged checkpoint's epoch (counted from 1) is trained again
+    assert [m.value for m in resumed] == [newest_epoch + 1]
+
+
+def test_a_dataset_changed_after_its_sidecar_was_written_is_refused_before_any_worker(tmp_path, digits16):
+    damaged = tmp_path / "train.beton"
+    data = bytearray(digits16["train"].read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 64] = bytes(byte ^ 0xFF for byte in data[middle: middle + 64])  # same size, other bytes
+    damaged.write_bytes(bytes(data))
+    (tmp_path / "train.beton.json").write_text(
+        digits16["train"].with_name("train.beton.json").read_text())
+    storage = tmp_path / "runs"
+    result = run_vitsweep(train_command(storage, {**digits16, "train": damaged}), timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert str(damaged) in _last_line(result.stderr) and "SHA-256" in _last_line(result.stderr)
+    assert not _runs(storage) and not list(storage.glob("*/vitsweep.log"))

@@ -15,6 +15,7 @@ import _thread
 import contextlib
 import ctypes
 import datetime
+import functools
 import multiprocessing
 import os
 import threading
@@ -150,7 +151,7 @@ def _write_samples(source: ImageSource, partial: Path, options: WriteOptions, wo
         watchdog = _WorkerWatchdog(workers)
         watchdog.start()
         try:
-            with preserved_torch_threads():
+            with preserved_torch_threads(), _labelled_progress(f"writing {source.kind} {source.split or ''}".strip()):
                 writer.from_indexed_dataset(guarded, chunksize=_CHUNK)
         except BaseException as interrupted:
             watchdog.stop()
@@ -163,6 +164,18 @@ def _write_samples(source: ImageSource, partial: Path, options: WriteOptions, wo
             ) from None
         watchdog.stop()
     return [index for index, failed in enumerate(failures) if failed]
+
+
+@contextlib.contextmanager
+def _labelled_progress(label: str):
+    """ffcv's writer draws an unlabelled tqdm bar; give it a label and a unit while it writes
+    (ffcv 1.0.2 calls the ``tqdm`` its module imported: that name is swapped for the write)."""
+    unlabelled = ffcv_writer.tqdm
+    ffcv_writer.tqdm = functools.partial(unlabelled, desc=label, unit="img")
+    try:
+        yield
+    finally:
+        ffcv_writer.tqdm = unlabelled
 
 
 class _GuardedSource:
