@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import TextIO
 
@@ -152,7 +151,6 @@ class Console:
     def capture_libraries(self) -> None:
         """Python logging of the libraries and warnings go to the log file (and the console with --verbose)."""
         logging.captureWarnings(True)
-        warnings.simplefilter("default")
         root = logging.getLogger()
         root.handlers = [self._handler, *([logging.StreamHandler(self.stream)] if self.verbose else [])]
         root.setLevel(logging.INFO)

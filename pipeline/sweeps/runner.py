@@ -396,10 +396,12 @@ def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
 def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
     """Record the outcome on the parent run: best trial, results.csv, pruned.csv, plots."""
     cfg = sweep.cfg
+    metric, mode = cfg.tune.metric, cfg.tune.mode
+    # Tune answers Ctrl-C by returning early: a trial whose run is still open did not end.
+    interrupted = interrupted or any(row.state == "running" for row in report.sweep_rows(parent, metric))
     if interrupted:
         mark_unfinished(parent, f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}")
     pruned = sweep.plan.pruned + (_tpe_pruned(sweep, results) if cfg.tune.searcher == "tpe" else [])
-    metric, mode = cfg.tune.metric, cfg.tune.mode
     rows = report.sweep_rows(parent, metric)
     all_rows = rows + report.pruned_rows(pruned)
     best = report.best_row(rows, metric, mode)
