@@ -111,3 +111,25 @@ class RunningVitsweep:
                 self.process.kill()
         self._reader.join(timeout=10)
         return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """One gloo rank with the variables a launcher sets, as a Ray Train worker has before
+    ``deepspeed.initialize``; torn down with DeepSpeed's module-level handles on it, so that the next
+    module's group is the one DeepSpeed uses (a Ray Train worker has one group for its whole life)."""
+    import deepspeed.comm.comm as deepspeed_comm
+    import deepspeed.utils.groups as deepspeed_groups
+    import torch.distributed as dist
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            patch.setenv(name, value)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+            deepspeed_comm.cdb = None  # DeepSpeed's handles on the destroyed group
+            deepspeed_groups._WORLD_GROUP = None

@@ -3,7 +3,6 @@ checkpoints written by pipeline.checkpointing, then truncated or overwritten."""
 import json
 import logging
 import shutil
-import socket
 
 import pytest
 import torch
@@ -24,37 +23,24 @@ from pipeline.checkpointing import (
 from pipeline.config import load_config
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engine():
+def engine(single_process_group):
     """A one-process DeepSpeed ZeRO-1 engine of the smoke model (gloo on CPU)."""
     import deepspeed
-    import torch.distributed as dist
 
     from pipeline.engine import deepspeed_config
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            env.setenv(key, value)
-        deepspeed.init_distributed(dist_backend="gloo")
-        cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1"])
-        model = build_model(cfg.model, num_classes=10)
-        optimizer = build_optimizer(model, cfg.optim)
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
-            config=deepspeed_config(cfg, 1), dist_init_required=False,
-        )
-        use_weights_only_loading(engine)
-        yield engine, model_identity(cfg.model, 10)
-    dist.destroy_process_group()
+    cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1"])
+    model = build_model(cfg.model, num_classes=10)
+    optimizer = build_optimizer(model, cfg.optim)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
+        config=deepspeed_config(cfg, 1), dist_init_required=False,
+    )
+    use_weights_only_loading(engine)
+    return engine, model_identity(cfg.model, 10)
 
 
 @pytest.fixture(scope="module")

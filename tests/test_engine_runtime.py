@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import load_config
@@ -13,18 +12,6 @@ from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 DATA_VARIANCE = 1.05
-
-
-@pytest.fixture(scope="module")
-def single_process_group():
-    # One gloo rank with the variables a launcher sets, as a Ray Train worker has before deepspeed.initialize.
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "LOCAL_RANK": "0",
-                            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
-            patch.setenv(name, value)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
 
 
 def train_batchnorm_model(precision: str, steps: int = 40, compiled: bool = False):
