@@ -18,6 +18,7 @@ from pipeline.config import ExperimentConfig, load_config
 from pipeline.console import LOG_FILE_NAME, active_console, quiet_environment
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import InvalidInputError
+from pipeline.jobs import check_paths_outlive_job
 
 if TYPE_CHECKING:
     from pipeline.runs import CheckedRun, TrainingOutcome
@@ -93,10 +94,10 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     launched_at = launched_at or time.time()
     check_address(address)
     local = ray_address(address) == "local"
-    if local:
-        # ffcv's writer forks worker processes and reports a dead one by interrupting the main
-        # thread: a dataset to write (the first run only) is written before Ray starts.
-        prepare_offline_data(cfg.with_absolute_paths())
+    # ffcv's writer forks worker processes and reports a dead one by interrupting the main thread:
+    # a dataset to write (the first run only) is written here, before Ray starts or the checks' thread.
+    check_paths_outlive_job(cfg)  # not into a Ray job's temporary working directory
+    prepare_offline_data(cfg.with_absolute_paths())
 
     def check() -> CheckedRun:
         # Imported here, on the check thread: these imports (torch, timm, MLflow; seconds on a slow

@@ -57,11 +57,17 @@ print(json.dumps({"unfiltered": unfiltered, "filtered": reports}))
 def test_numba_finalizer_key_errors_on_loader_gc_are_dropped(tmp_path):
     path = tmp_path / "digits.beton"
     write_beton(DigitsSource("val", 8), path, num_workers=1)
-    result = subprocess.run([sys.executable, "-c", _LOADER_GC_SCRIPT, str(path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    reports = json.loads(result.stdout.strip().splitlines()[-1])
-    assert reports["unfiltered"] and set(reports["unfiltered"]) == {"KeyError"}  # the noise this stack makes...
-    assert reports["filtered"] == []  # ...and what users see of it
+    noisy_runs = 0
+    for _ in range(3):  # whether numba's finalizers raise depends on collection timing: up to 3 processes
+        result = subprocess.run([sys.executable, "-c", _LOADER_GC_SCRIPT, str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        reports = json.loads(result.stdout.strip().splitlines()[-1])
+        assert set(reports["unfiltered"]) <= {"KeyError"}  # the noise this stack makes...
+        assert reports["filtered"] == []  # ...and what users see of it, every time
+        noisy_runs += bool(reports["unfiltered"])
+        if noisy_runs:
+            break
+    assert noisy_runs  # the filter was shown dropping real reports
 
 
 @pytest.fixture
