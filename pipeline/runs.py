@@ -44,7 +44,7 @@ from pipeline.distillation import build_teacher
 from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
-from pipeline.jobs import check_paths_outlive_job, git_provenance
+from pipeline.jobs import git_provenance
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin)
@@ -209,7 +209,6 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     Writes nothing but a dataset the config asks to prepare; the MLflow store is only opened
     (a new local store's schema created) so that opening the run later is quick.
     """
-    check_paths_outlive_job(cfg)
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
     facts = ModelFacts.measure(cfg.model, data.num_classes)

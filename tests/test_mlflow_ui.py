@@ -10,14 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, run_vitsweep, train_command, vitsweep_env
+from conftest import free_port, run_vitsweep, train_command, vitsweep_env, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
 from test_tune_e2e import tune_command
 from webdriver import NO_ASSISTANT_PANEL, Browser
@@ -72,17 +71,15 @@ def server(store) -> str:
 
 
 def _wait_until_healthy(uri: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    def healthy() -> bool:
         assert process.poll() is None, f"mlflow server exited with {process.returncode}"
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
+                return response.status == 200
         except OSError:
-            pass
-        assert time.monotonic() < deadline, f"mlflow server at {uri} did not answer /health in {timeout} s"
-        time.sleep(0.5)
+            return False
+
+    wait_for(healthy, timeout, f"mlflow server at {uri} to answer /health")
 
 
 @pytest.fixture(scope="module")

@@ -124,13 +124,13 @@ class Browser:
                     items)
 
     def wait_for_text(self, *texts: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline, previous = time.monotonic() + timeout, None
         while True:
             body = self.script("return document.body ? document.body.innerText : ''")
             missing = [text for text in texts if text not in body]
-            if not missing:
-                time.sleep(1.0)  # cells and charts fill in after the first text appears
+            if not missing and body == previous:  # shown, and the cells and charts have filled in
                 return
+            previous = body
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never showed {missing!r}; it shows: {body[:800]!r}")
             time.sleep(0.5)

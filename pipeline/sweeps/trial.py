@@ -23,7 +23,6 @@ from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError
 from pipeline.metrics import DIVERGED_KEY
 from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
-from pipeline.modeling import model_problem
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, open_child_run
@@ -79,11 +78,12 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
         cfg, knobs = resolve_trial(plan.space, plan.base_tree, config["knobs"])
     except ConfigError:
         return
-    if model_problem(cfg.model) is not None:
+    try:
+        facts = ModelFacts.measure(cfg.model, plan.data.num_classes)  # built and run once on the meta device
+    except ConfigError:
         return
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": trial_id})})
-    run = CheckedRun(cfg, plan.data, ModelFacts.measure(cfg.model, plan.data.num_classes), trial_id,
-                     plan.trial_storage, plan.tracking_uri)
+    run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri)
 
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
     tracking = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,
