@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config import load_config
 from pipeline.sweeps.report import pareto_front
-from pipeline.sweeps.runner import RECORD_NAME, concurrent_trials
+from pipeline.sweeps.runner import RECORD_NAME, TrialResources, concurrent_trials
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
 from pipeline.tracking import MlflowStore
 
@@ -106,6 +106,11 @@ def test_a_trial_that_cannot_fit_the_cluster_is_an_error():
     cfg = load_config("smoke", ["scaling.num_workers=4"])
     with pytest.raises(ValueError, match="one trial needs 5 CPUs"):
         concurrent_trials(cfg, {"CPU": 4.0})
+
+
+def test_one_trials_resources_read_in_the_singular_where_there_is_one():
+    cfg = load_config("smoke", ["scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "tune.trial_cpus=0.5"])
+    assert TrialResources.of(cfg).describe(cfg) == "1 CPU = trial function 0.5 CPU + 1 worker x (0.5 CPU)"
 
 
 # --------------------------------------------------------------------------------------------------

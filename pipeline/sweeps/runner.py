@@ -98,9 +98,14 @@ class TrialResources:
 
     def describe(self, cfg: ExperimentConfig) -> str:
         s = cfg.scaling
-        gpus = f", {self.gpus:g} GPUs" if self.gpus else ""
-        return (f"{self.cpus:g} CPUs{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + {s.num_workers} workers x "
+        gpus = f", {_count(self.gpus, 'GPU')}" if self.gpus else ""
+        return (f"{_count(self.cpus, 'CPU')}{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + "
+                f"{_count(s.num_workers, 'worker')} x "
                 f"({s.cpus_per_worker:g} CPU{f', {s.gpus_per_worker:g} GPU' if s.use_gpu else ''})")
+
+
+def _count(number: float, unit: str) -> str:
+    return f"{number:g} {unit}{'' if number == 1 else 's'}"
 
 
 def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
