@@ -1,6 +1,8 @@
 """write_beton: round trips, the sidecar, atomic output, and failures that must not hang or leave files."""
 import json
 import os
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -155,8 +157,39 @@ class KilledWorkerSource(ArraySource):
         return self.images[index]
 
 
+@pytest.mark.timeout(120)  # the failure this guards against is a hang
 def test_a_writer_process_that_dies_fails_the_write_instead_of_hanging(tmp_path):
     source = random_source(count=300)
     with pytest.raises(WriteFailedError, match="exited with code 9"):
         write_beton(KilledWorkerSource(source.images, source.labels, 5), tmp_path / "d.beton", num_workers=2)
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_writer_process_fails_a_write_running_on_another_thread(tmp_path):
+    source = random_source(count=300)
+    outcome = []
+
+    def write():
+        try:
+            write_beton(KilledWorkerSource(source.images, source.labels, 5), tmp_path / "d.beton", num_workers=2)
+        except WriteFailedError as error:
+            outcome.append(error)
+
+    writing = threading.Thread(target=write)
+    writing.start()
+    writing.join()
+    assert len(outcome) == 1 and "exited with code 9" in str(outcome[0])
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_writer_process_fails_the_write_while_sigint_is_ignored(tmp_path):
+    source = random_source(count=300)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup, or a handler-owning host
+    try:
+        with pytest.raises(WriteFailedError, match="exited with code 9"):
+            write_beton(KilledWorkerSource(source.images, source.labels, 5), tmp_path / "d.beton", num_workers=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert leftovers(tmp_path) == []

@@ -5,20 +5,19 @@ the target, which is fsynced and renamed into place only after the result checks
 sidecar, which is what marks a ``.beton`` as finished, is written last.
 
 ffcv's writer waits for its worker processes without ever checking that they are alive, so one
-crashed worker would hang the write forever. A watchdog thread turns a dead worker into an error,
-and an image that cannot be decoded is recorded and reported after the pass instead of killing
-its worker.
+crashed worker would hang the write forever. Its waiting loop checks them here (a dead worker is
+an error raised in the writing thread, whichever thread that is), and an image that cannot be
+decoded is recorded and reported after the pass instead of killing its worker.
 """
 from __future__ import annotations
 
-import _thread
 import contextlib
 import ctypes
 import datetime
 import functools
 import multiprocessing
 import os
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,22 +146,19 @@ def _write_samples(source: ImageSource, partial: Path, options: WriteOptions, wo
     failures = multiprocessing.Array(ctypes.c_bool, len(source), lock=False)
     guarded = _GuardedSource(source, failures, seed_per_sample=options.write_mode == "proportion")
     writer = DatasetWriter(str(partial), fields, page_size=page_size_for(source, options), num_workers=workers)
-    with _tracked_writer_processes() as workers:
-        watchdog = _WorkerWatchdog(workers)
-        watchdog.start()
+    with _tracked_writer_processes() as workers, _waiting_checks_workers(workers):
         try:
             with preserved_torch_threads(), _labelled_progress(f"writing {source.kind} {source.split or ''}".strip()):
                 writer.from_indexed_dataset(guarded, chunksize=_CHUNK)
-        except BaseException as interrupted:
-            watchdog.stop()
+        except BaseException as error:
+            _stop(workers)
             _release_shared_metadata(writer)
-            if not isinstance(interrupted, KeyboardInterrupt) or watchdog.dead_worker is None:
-                raise  # the user's Ctrl-C, or an error of the writer itself
-            raise WriteFailedError(
-                f"an ffcv writer process (pid {watchdog.dead_worker.pid}) exited with code "
-                f"{watchdog.dead_worker.exitcode} while writing {str(partial)!r}; nothing was written"
-            ) from None
-        watchdog.stop()
+            if isinstance(error, _DeadWorker):
+                raise WriteFailedError(
+                    f"an ffcv writer process (pid {error.process.pid}) exited with code {error.process.exitcode} "
+                    f"while writing {str(partial)!r}; nothing was written"
+                ) from None
+            raise  # the user's Ctrl-C, or an error of the writer itself
     return [index for index, failed in enumerate(failures) if failed]
 
 
@@ -227,7 +223,7 @@ def _describe_failures(source: ImageSource, failed: list[int]) -> str:
 
 
 class _TrackedProcess(multiprocessing.Process):
-    """ffcv's writer processes, recorded as they start so the watchdog can see them exit."""
+    """ffcv's writer processes, recorded as they start so the write can see them exit."""
 
     started: list[multiprocessing.Process] = []
 
@@ -248,30 +244,35 @@ def _tracked_writer_processes() -> Iterator[list[multiprocessing.Process]]:
         ffcv_writer.Process = original
 
 
-class _WorkerWatchdog(threading.Thread):
-    """Interrupts the main thread when one of ``workers`` exits with a non-zero code."""
+class _DeadWorker(Exception):
+    def __init__(self, process: multiprocessing.Process):
+        super().__init__(f"ffcv writer process {process.pid} exited with code {process.exitcode}")
+        self.process = process
 
-    def __init__(self, workers: list[multiprocessing.Process], poll_seconds: float = 0.2):
-        super().__init__(daemon=True, name="ffcv-writer-watchdog")
-        self.workers, self.poll_seconds = workers, poll_seconds
-        self.dead_worker: multiprocessing.Process | None = None
-        self.stopped = threading.Event()
 
-    def run(self) -> None:
-        while not self.stopped.wait(self.poll_seconds):
-            for process in list(self.workers):
-                if process.exitcode not in (None, 0):
-                    self.dead_worker = process
-                    _thread.interrupt_main()
-                    return
+@contextlib.contextmanager
+def _waiting_checks_workers(workers: list[multiprocessing.Process]) -> Iterator[None]:
+    # ffcv 1.0.2 waits for its workers' progress in a loop around the `sleep` its module imported;
+    # for one write that name also checks the workers, so a dead one ends the wait with an error in
+    # the writing thread (no signal to the main thread, which may be busy elsewhere or ignore it).
+    def sleep_then_check(seconds: float) -> None:
+        time.sleep(seconds)
+        for process in workers:
+            if process.exitcode not in (None, 0):
+                raise _DeadWorker(process)
 
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join()
-        for process in self.workers:
-            if process.is_alive():  # the others wait forever for the dead one's page
-                process.terminate()
-                process.join(timeout=5)
+    original, ffcv_writer.sleep = ffcv_writer.sleep, sleep_then_check
+    try:
+        yield
+    finally:
+        ffcv_writer.sleep = original
+
+
+def _stop(workers: list[multiprocessing.Process]) -> None:
+    for process in workers:
+        if process.is_alive():  # the others would wait forever for the dead one's page
+            process.terminate()
+            process.join(timeout=5)
 
 
 def _release_shared_metadata(writer: DatasetWriter) -> None:
