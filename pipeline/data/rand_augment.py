@@ -6,8 +6,7 @@ cores. ``BatchRandAugment`` keeps timm's semantics -- the spec string is parsed 
 ``rand_augment_transform``; each sample draws its own ``num_layers`` ops (uniformly with
 replacement, or timm's weighted choice without), applies each with probability ``p``, at its own
 magnitude ``N(m, mstd)`` clipped to ``[0, mmax or 10]``, and a random sign where timm negates --
-and runs each op once per layer on the samples that drew it (on a CPU, in cache-sized groups of
-them), on a uint8 ``[B, 3, H, W]`` batch.
+and runs each op once per layer on the samples that drew it, on a uint8 ``[B, 3, H, W]`` batch.
 
 Every op reproduces its PIL counterpart (``timm.data.auto_augment``): the colour ops exactly
 (same integer formulas, same truncation; float32 blends as Pillow computes them); translate and
@@ -29,9 +28,6 @@ import torch.nn.functional as F
 from timm.data import auto_augment
 
 _LEVEL_DENOM = 10.0  # timm's magnitude scale: level = magnitude / 10
-# On CPU each op runs on groups of images this large in float32 (four at 224 px): a whole batch's
-# passes stream from memory, a group's stay in cache -- 2-7x faster per op on this 2-core machine.
-CPU_GROUP_BYTES = 4 * 3 * 224 * 224 * 4
 
 Level = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]  # (magnitudes, signs, hparams) -> argument
 Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (images, arguments, fill) -> images
@@ -372,13 +368,11 @@ class BatchRandAugment:
     ``fill`` is the colour exposed by rotate/shear/translate: timm's ``img_mean`` (``mean`` x 255).
     """
 
-    def __init__(self, spec: str, img_size: int, mean: tuple[float, float, float], seed: int = 0,
-                 cpu_group_bytes: int = CPU_GROUP_BYTES):
+    def __init__(self, spec: str, img_size: int, mean: tuple[float, float, float], seed: int = 0):
         self.spec = spec
         self.policy = parse_policy(spec, img_size, mean)
         self.fill = torch.tensor(self.policy.hparams["img_mean"], dtype=torch.float32)
         self.generator = torch.Generator().manual_seed(seed)
-        self.cpu_group_bytes = cpu_group_bytes
 
     def draw(self, batch_size: int) -> Draws:
         policy, generator = self.policy, self.generator
@@ -408,7 +402,6 @@ class BatchRandAugment:
             raise ValueError(f"RandAugment takes a uint8 [B, 3, H, W] batch, got {images.dtype} {tuple(images.shape)}")
         draws = draws or self.draw(len(images))
         fill = _to_device(self.fill, images.device)
-        group = self._group_size(images)
         for layer in range(self.policy.num_layers):
             chosen = torch.where(draws.applied[:, layer], draws.ops[:, layer], -1)
             for op_index in chosen.unique().tolist():
@@ -418,19 +411,10 @@ class BatchRandAugment:
                 op, level = OPS[name]
                 rows = torch.nonzero(chosen == op_index).flatten()
                 arguments = level(draws.magnitudes[rows, layer], draws.signs[rows, layer], self.policy.hparams)
-                for start in range(0, len(rows), group):
-                    on_device = _to_device(rows[start:start + group], images.device)
-                    # Every op returns whole numbers in 0..255 (as PIL's uint8 results): no rounding pass.
-                    images[on_device] = op(images[on_device].float(), arguments[start:start + group],
-                                           fill).to(torch.uint8)
+                on_device = _to_device(rows, images.device)
+                # Every op returns whole numbers in 0..255 (as PIL's uint8 results): no rounding pass.
+                images[on_device] = op(images[on_device].float(), arguments, fill).to(torch.uint8)
         return images
-
-    def _group_size(self, images: torch.Tensor) -> int:
-        """Images per op call: the whole batch on a GPU; on a CPU as many float images as fit
-        ``cpu_group_bytes``, so an op's few passes over them run from cache rather than memory."""
-        if images.device.type != "cpu":
-            return len(images)
-        return max(1, self.cpu_group_bytes // (images[0].numel() * 4))
 
 
 def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
