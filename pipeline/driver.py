@@ -94,8 +94,8 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     launched_at = launched_at or time.time()
     check_address(address)
     local = ray_address(address) == "local"
-    # ffcv's writer forks worker processes and reports a dead one by interrupting the main thread:
-    # a dataset to write (the first run only) is written here, before Ray starts or the checks' thread.
+    # A dataset to write (the first run only) is written here, before Ray starts or the checks'
+    # thread: ffcv's writer forks its worker processes, best from a process with no other threads.
     check_paths_outlive_job(cfg)  # not into a Ray job's temporary working directory
     prepare_offline_data(cfg.with_absolute_paths())
 

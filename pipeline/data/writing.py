@@ -146,19 +146,14 @@ def _write_samples(source: ImageSource, partial: Path, options: WriteOptions, wo
     failures = multiprocessing.Array(ctypes.c_bool, len(source), lock=False)
     guarded = _GuardedSource(source, failures, seed_per_sample=options.write_mode == "proportion")
     writer = DatasetWriter(str(partial), fields, page_size=page_size_for(source, options), num_workers=workers)
-    with _tracked_writer_processes() as workers, _waiting_checks_workers(workers):
+    with _tracked_writer_processes() as workers, _waiting_checks_workers(workers, partial):
         try:
             with preserved_torch_threads(), _labelled_progress(f"writing {source.kind} {source.split or ''}".strip()):
                 writer.from_indexed_dataset(guarded, chunksize=_CHUNK)
-        except BaseException as error:
+        except BaseException:  # a dead worker, the user's Ctrl-C, or an error of the writer itself
             _stop(workers)
             _release_shared_metadata(writer)
-            if isinstance(error, _DeadWorker):
-                raise WriteFailedError(
-                    f"an ffcv writer process (pid {error.process.pid}) exited with code {error.process.exitcode} "
-                    f"while writing {str(partial)!r}; nothing was written"
-                ) from None
-            raise  # the user's Ctrl-C, or an error of the writer itself
+            raise
     return [index for index, failed in enumerate(failures) if failed]
 
 
@@ -244,14 +239,8 @@ def _tracked_writer_processes() -> Iterator[list[multiprocessing.Process]]:
         ffcv_writer.Process = original
 
 
-class _DeadWorker(Exception):
-    def __init__(self, process: multiprocessing.Process):
-        super().__init__(f"ffcv writer process {process.pid} exited with code {process.exitcode}")
-        self.process = process
-
-
 @contextlib.contextmanager
-def _waiting_checks_workers(workers: list[multiprocessing.Process]) -> Iterator[None]:
+def _waiting_checks_workers(workers: list[multiprocessing.Process], partial: Path) -> Iterator[None]:
     # ffcv 1.0.2 waits for its workers' progress in a loop around the `sleep` its module imported;
     # for one write that name also checks the workers, so a dead one ends the wait with an error in
     # the writing thread (no signal to the main thread, which may be busy elsewhere or ignore it).
@@ -259,7 +248,10 @@ def _waiting_checks_workers(workers: list[multiprocessing.Process]) -> Iterator[
         time.sleep(seconds)
         for process in workers:
             if process.exitcode not in (None, 0):
-                raise _DeadWorker(process)
+                raise WriteFailedError(
+                    f"an ffcv writer process (pid {process.pid}) exited with code {process.exitcode} "
+                    f"while writing {str(partial)!r}; nothing was written"
+                )
 
     original, ffcv_writer.sleep = ffcv_writer.sleep, sleep_then_check
     try:
