@@ -7,6 +7,7 @@ One concern per module:
 - ``sidecar``   the JSON beside each ``.beton``: classes, counts, sizes, write options, SHA-256
 - ``integrity`` ``check_beton``: a ``.beton`` is whole and matches its sidecar, before training starts
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
+- ``ranged_copy`` ``copy_verified_ranges``: parallel ranged reads, each chunk verified as it lands
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
 - ``augment``   DeiT's recipe: RandAugment in the FFCV pipeline, ``BatchAugment`` on the device
 - ``rand_augment`` timm's RandAugment batched on torch ops (per-sample ops and magnitudes)

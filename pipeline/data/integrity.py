@@ -209,19 +209,19 @@ def verify_dataset(location: str, record: Path | None = None) -> Sidecar:
     remotely -- and the sidecar's SHA-256: an unchanged file is not hashed again; any rewrite is.
     """
     # staging imports this module: its filesystem opening (with its errors) is imported here
-    from pipeline.data.staging import StagingError, _open_filesystem, read_location_sidecar
+    from pipeline.data.staging import StagingError, open_filesystem, read_location_sidecar
     from pipeline.uris import is_uri, redact
 
     record = record or verified_record_path()
     if not is_uri(location) or location.startswith("file://"):
-        path = Path(_open_filesystem(location)[1] if is_uri(location) else location).expanduser()
+        path = Path(open_filesystem(location)[1] if is_uri(location) else location).expanduser()
         sidecar = check_beton(path)
         stat = path.stat()
         identity = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "sha256": sidecar.sha256}
         _verify_once(str(path.resolve()), identity, record, lambda: verify_sha256(path, sidecar))
         return sidecar
     sidecar = read_location_sidecar(location)
-    filesystem, remote = _open_filesystem(location)
+    filesystem, remote = open_filesystem(location)
     check_sidecar_names(sidecar, Path(remote).name, redact(location))
     try:
         info = filesystem.info(remote)
