@@ -34,7 +34,7 @@ class RangeServer:
         self.root, self.bytes_per_second = Path(root), bytes_per_second
         self.hold_until_in_flight, self.honour_ranges, self.fail_ranges_from = (
             hold_until_in_flight, honour_ranges, fail_ranges_from)
-        self.in_flight = self.peak_in_flight = self.ranges_served = 0
+        self.in_flight = self.peak_in_flight = self.ranges_served = self.bytes_sent = 0
         self._count = threading.Lock()
         self._released = threading.Event()
         if hold_until_in_flight is None:
@@ -67,6 +67,10 @@ class RangeServer:
             if self.hold_until_in_flight is not None and self.in_flight >= self.hold_until_in_flight:
                 self._released.set()
         self._released.wait(HOLD_LIMIT_S)
+
+    def _sent(self, size: int) -> None:
+        with self._count:
+            self.bytes_sent += size
 
     def _range_ended(self, served: bool) -> None:
         with self._count:
@@ -136,6 +140,7 @@ def _handler_for(server: RangeServer) -> type[BaseHTTPRequestHandler]:
                     piece = handle.read(min(_PIECE, stop - start - sent))
                     self.wfile.write(piece)
                     sent += len(piece)
+                    server._sent(len(piece))
                     if server.bytes_per_second:
                         time.sleep(max(0.0, began + sent / server.bytes_per_second - time.monotonic()))
             if cut:

@@ -7,29 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VITSWEEP, vitsweep_env, wait_for
+from conftest import VITSWEEP, copy_with_sidecar, vitsweep_env, wait_for
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError, check_beton
-from pipeline.data.sidecar import chunk_count, chunk_sha256s, read_sidecar, sidecar_path, write_sidecar
+from pipeline.data.sidecar import chunk_count, read_sidecar, sidecar_path
 from pipeline.data.staging import StagingError, stage_dataset
 from range_server import RangeServer
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 1 << 20  # the sidecars' chunk size here: 7 chunks of the 6.3 MB digits file
-
-
-def bucket_with(beton, directory, flip_at=None, chunk_bytes=CHUNK):
-    """``beton`` copied into ``directory`` (one byte flipped, if asked) beside a sidecar of the original
-    that lists ``chunk_bytes`` chunk digests (None: a sidecar written before chunk digests)."""
-    directory.mkdir()
-    copy = directory / beton.name
-    data = bytearray(beton.read_bytes())
-    if flip_at is not None:
-        data[flip_at] ^= 0xFF
-    copy.write_bytes(bytes(data))
-    chunks = dict(chunk_bytes=chunk_bytes, chunk_sha256=chunk_sha256s(beton, chunk_bytes) if chunk_bytes else None)
-    write_sidecar(copy, read_sidecar(beton).model_copy(update=chunks))
-    return copy
 
 
 def files_in(cache) -> list[str]:
@@ -42,7 +28,7 @@ def beton(digits16):
 
 
 def test_every_chunk_is_read_as_its_own_range_with_the_configured_streams_at_once(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "bucket")
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK)
     chunks = chunk_count(remote.stat().st_size, CHUNK)
     assert chunks > 4  # more chunks than streams: the bound is what is seen
     with RangeServer(remote.parent, hold_until_in_flight=4) as server:
@@ -54,18 +40,18 @@ def test_every_chunk_is_read_as_its_own_range_with_the_configured_streams_at_onc
 
 def test_a_corrupted_chunk_is_refused_naming_it_and_nothing_is_staged(beton, tmp_path):
     flipped = 3 * CHUNK + 100
-    remote = bucket_with(beton, tmp_path / "bucket", flip_at=flipped)
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK, flip_at=flipped)
     with RangeServer(remote.parent) as server:
         with pytest.raises(ChecksumMismatchError, match=rf"chunk 3 \(bytes {3 * CHUNK}-{4 * CHUNK - 1}\)"):
             stage_dataset(server.url(remote.name), tmp_path / "cache", streams=4)
     assert files_in(tmp_path / "cache") == []
 
 
-def test_a_sidecar_without_chunk_digests_is_copied_in_parallel_then_verified_whole(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "old", chunk_bytes=None)
-    with RangeServer(remote.parent, hold_until_in_flight=1) as server:
+def test_a_sidecar_without_chunk_digests_is_copied_in_ranges_then_verified_whole(beton, tmp_path):
+    remote = copy_with_sidecar(beton, tmp_path / "old")
+    with RangeServer(remote.parent) as server:
         check_beton(stage_dataset(server.url(remote.name), tmp_path / "cache", streams=4), verify_checksum=True)
-    damaged = bucket_with(beton, tmp_path / "damaged", flip_at=CHUNK + 5, chunk_bytes=None)
+    damaged = copy_with_sidecar(beton, tmp_path / "damaged", flip_at=CHUNK + 5)
     with RangeServer(damaged.parent) as server:
         with pytest.raises(ChecksumMismatchError, match="has SHA-256"):
             stage_dataset(server.url(damaged.name), tmp_path / "other-cache", streams=4)
@@ -73,7 +59,7 @@ def test_a_sidecar_without_chunk_digests_is_copied_in_parallel_then_verified_who
 
 
 def test_a_connection_dropped_mid_range_fails_the_stage_naming_the_uri_and_leaves_nothing(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "bucket")
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK)
     with RangeServer(remote.parent, fail_ranges_from=5 * CHUNK) as server:
         with pytest.raises(StagingError, match=rf"{server.url(remote.name)}.*failed"):
             stage_dataset(server.url(remote.name), tmp_path / "cache", streams=4)
@@ -81,7 +67,7 @@ def test_a_connection_dropped_mid_range_fails_the_stage_naming_the_uri_and_leave
 
 
 def test_a_server_that_ignores_byte_ranges_is_refused_saying_so(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "bucket")
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK)
     with RangeServer(remote.parent, honour_ranges=False) as server:
         with pytest.raises(CorruptDatasetError, match="byte ranges"):
             stage_dataset(server.url(remote.name), tmp_path / "cache", streams=2)
@@ -89,7 +75,7 @@ def test_a_server_that_ignores_byte_ranges_is_refused_saying_so(beton, tmp_path)
 
 
 def test_a_remote_file_longer_than_its_sidecar_says_is_refused(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "bucket")
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK)
     with open(remote, "ab") as grown:
         grown.write(b"appended")
     with RangeServer(remote.parent) as server:
@@ -99,7 +85,7 @@ def test_a_remote_file_longer_than_its_sidecar_says_is_refused(beton, tmp_path):
 
 
 def test_an_interrupted_stage_leaves_no_partial_file_and_the_next_one_copies_it_whole(beton, tmp_path):
-    remote = bucket_with(beton, tmp_path / "bucket")
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", CHUNK)
     cache = tmp_path / "cache"
     with RangeServer(remote.parent, hold_until_in_flight=3) as server:  # more than the 2 opened: held
         stage = subprocess.Popen([VITSWEEP, "data", "stage", server.url(remote.name), "--cache-dir", str(cache),
@@ -129,7 +115,7 @@ def readme_stage_command() -> list[str]:
 def test_the_readmes_data_stage_line_runs_as_written_with_its_streams(beton, tmp_path, capsys):
     words = readme_stage_command()
     streams = int(words[words.index("--streams") + 1])
-    remote = bucket_with(beton, tmp_path / "bucket", chunk_bytes=64 << 10)
+    remote = copy_with_sidecar(beton, tmp_path / "bucket", 64 << 10)
     assert chunk_count(remote.stat().st_size, 64 << 10) > streams
     with RangeServer(remote.parent, hold_until_in_flight=streams) as server:
         # As written, but against this loopback server and into this test's cache.

@@ -47,8 +47,8 @@ def copy_verified_ranges(filesystem, remote: str, target: Path, sidecar: Sidecar
         for index in range(chunk_count(sidecar.size_bytes, range_bytes))
     }
     try:
-        with tqdm(total=sidecar.size_bytes, unit="B", unit_scale=True, desc=f"staging {target.name}", leave=False,
-                  disable=sidecar.size_bytes < _SHOW_PROGRESS_FROM) as progress:
+        with tqdm(total=sidecar.size_bytes, unit="B", unit_scale=True, desc=f"staging {Path(remote).name}",
+                  leave=False, disable=sidecar.size_bytes < _SHOW_PROGRESS_FROM) as progress:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
