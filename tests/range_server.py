@@ -39,8 +39,7 @@ class RangeServer:
         self._released = threading.Event()
         if hold_until_in_flight is None:
             self._released.set()
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._http.daemon_threads = True
+        self._http = _ThreadingServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def url(self, name: str) -> str:
@@ -76,6 +75,11 @@ class RangeServer:
         with self._count:
             self.in_flight -= 1
             self.ranges_served += served
+
+
+class _ThreadingServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a client's streams all connect at once
 
 
 def _handler_for(server: RangeServer) -> type[BaseHTTPRequestHandler]:
