@@ -119,14 +119,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"]))
 
 
-def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None) -> None:
-    """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata."""
+def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None,
+                    card: dict[str, Any] | None = None) -> None:
+    """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata, with the
+    model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs)."""
     client_state = {"epoch": epoch, f"rng_rank{rank}": rng_state()}
     if ema is not None:
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
     if rank == 0:
-        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size}
+        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size,
+                **({"card": card} if card is not None else {})}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2))
     write_manifest(directory, rank)
 
