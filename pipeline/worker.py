@@ -48,6 +48,7 @@ class WorkerPlan:
     mlflow_run_id: str
     gmacs_per_image: float  # the model's forward multiply-adds (models.measure), for TFLOP/s and MFU
     announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
+    model_card: dict[str, Any] | None = None  # ModelCard.as_dict(): recorded in every checkpoint
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,7 +247,7 @@ class Trainer:
             return
         with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
             save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
-                            ema=self.ema)
+                            ema=self.ema, card=self.plan.model_card)
             if last:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
