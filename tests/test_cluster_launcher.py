@@ -120,13 +120,19 @@ def test_launcher_starts_every_node_with_token_auth_read_from_the_secret_store(n
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)
-def test_launcher_gives_mlflow_credentials_to_the_head_only_from_the_secret_store(name):
+def test_launcher_gives_every_node_mlflow_credentials_from_the_secret_store_as_ray_starts(name):
+    # Trial functions, Ray Train's controllers and each node's system-metrics monitor log from the GPU
+    # nodes too: every Ray process inherits its node's `ray start` environment, and nothing else has them.
     config = launcher(name)
     reader = SECRET_READER[config["provider"]["type"]]
-    (head,) = [command for command in config["head_start_ray_commands"] if "ray start" in command]
-    assert f"mlflow_password=$({reader} vitsweep-mlflow-password) &&" in head
-    assert 'MLFLOW_TRACKING_PASSWORD="$mlflow_password"' in head
-    assert not any("MLFLOW" in command for command in config["worker_start_ray_commands"])
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [command for command in config[key] if "ray start" in command]
+        assert f"mlflow_password=$({reader} vitsweep-mlflow-password) &&" in start, key
+        assert 'MLFLOW_TRACKING_USERNAME=vitsweep-train MLFLOW_TRACKING_PASSWORD="$mlflow_password" &&' in start, key
+        assert start.index("MLFLOW_TRACKING_PASSWORD") < start.index("ray start"), key
+    elsewhere = {key: value for key, value in config.items() if key not in ("head_start_ray_commands",
+                                                                          "worker_start_ray_commands")}
+    assert "MLFLOW_TRACKING_PASSWORD" not in yaml.safe_dump(elsewhere)
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)

@@ -81,3 +81,27 @@ def test_every_ray_node_runs_the_image_of_this_version_and_mlflow_its_own():
     assert any(re.fullmatch(rf"(\S+/)?vitsweep-mlflow:{re.escape(version)}", image) for image in images)
     dockerfile = (CLUSTER / "Dockerfile").read_text()
     assert f"-t vitsweep:{version} ." in dockerfile and f"--target mlflow-server -t vitsweep-mlflow:{version} ." in dockerfile
+
+
+def ray_pods() -> list[tuple[str, dict]]:
+    """(where, pod spec) of every Ray pod: heads and worker groups of the RayCluster and the RayJob."""
+    pods = []
+    for path in sorted((CLUSTER / "kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("RayCluster", "RayJob"):
+                spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+                pods.append((f"{path.name} head", spec["headGroupSpec"]["template"]["spec"]))
+                pods += [(f"{path.name} {group['groupName']}", group["template"]["spec"])
+                         for group in spec["workerGroupSpecs"]]
+    return pods
+
+
+@pytest.mark.parametrize("where,pod", ray_pods(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_ray_node_gets_mlflow_credentials_from_the_same_secret(where, pod):
+    # Trial functions, Ray Train's controllers and each node's system-metrics monitor run on GPU pods too.
+    (ray_container,) = pod["containers"]
+    env = {item["name"]: item.get("valueFrom") for item in ray_container["env"]}
+    assert env["MLFLOW_TRACKING_USERNAME"] == {"secretKeyRef": {"name": "vitsweep-mlflow-client", "key": "username"}}
+    assert env["MLFLOW_TRACKING_PASSWORD"] == {"secretKeyRef": {"name": "vitsweep-mlflow-client", "key": "password"}}
+    for init in pod.get("initContainers", []):  # the driver check logs nothing
+        assert not [item for item in init.get("env", []) if item["name"].startswith("MLFLOW_")], where
