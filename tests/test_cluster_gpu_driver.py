@@ -70,3 +70,8 @@ def test_kuberay_gpu_pods_check_the_driver_before_ray_starts(path):
         assert check["image"] == worker["image"]  # the torch that will train is the one checked
         assert check["command"] == ["vitsweep", "doctor", "--node", "gpu-driver"]  # the driver, whatever the job
         assert check["resources"]["limits"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_the_readme_says_kubernetes_does_not_enforce_the_images_driver_requirement():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`NVIDIA_REQUIRE_DRIVER` is not enforced on Kubernetes" in readme
