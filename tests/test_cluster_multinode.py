@@ -4,9 +4,7 @@ node with its own raylet, resources (1 CPU) and node-local disk, token authentic
 As on a real cluster, a node's local disk is given to its processes by its environment
 (`VITSWEEP_CACHE_DIR`, see cluster/), the dataset is a URI (`file://`) so every node stages it, and
 `run.storage_path` is the filesystem all nodes share (here: this machine's)."""
-import multiprocessing
 import os
-import queue
 import secrets
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.data.sidecar import read_sidecar
 from pipeline.data.staging import CACHE_DIR_ENV
+from simulated_cluster import run_cluster_process, stop_with_the_test
 
 NODE_CPUS = 1  # one training worker per simulated node on this 2-core machine
 TRAINING_TIMEOUT_S = 1200  # the cluster process gives up and reports before the test's own limits
@@ -68,16 +67,6 @@ def _connects(address: str, token: str) -> bool:
     return result.returncode == 0
 
 
-def _stop_with_the_test(cluster, test_pid: int) -> None:
-    """Never leave a cluster behind: if the test process dies, stop every node and exit."""
-    while os.getppid() == test_pid:
-        time.sleep(2)
-    try:
-        cluster.shutdown()
-    finally:
-        os._exit(1)
-
-
 def _on_two_nodes(plan: dict, results) -> None:
     """In a fresh process, where Ray reads the token mode once: two nodes, then the plan, then a report."""
     report: dict = {}
@@ -89,7 +78,7 @@ def _on_two_nodes(plan: dict, results) -> None:
 
         caches = {name: Path(path) for name, path in plan["caches"].items()}
         cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **node_args(caches["head"])})
-        threading.Thread(target=_stop_with_the_test, args=(cluster, os.getppid()), daemon=True).start()
+        threading.Thread(target=stop_with_the_test, args=(cluster, os.getppid()), daemon=True).start()
         try:
             worker = cluster.add_node(**node_args(caches["worker"]))
             cluster.wait_for_nodes()
@@ -117,31 +106,8 @@ def _on_two_nodes(plan: dict, results) -> None:
 
 
 def on_two_nodes(monkeypatch, plan: dict) -> dict:
-    """Runs `_on_two_nodes` with Ray's token authentication on (a fresh random token) and returns its report."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    child = context.Process(target=_on_two_nodes, args=(plan, results))
-    child.start()
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    try:
-        while True:
-            try:
-                report = results.get(timeout=5)
-                break
-            except queue.Empty:
-                if not child.is_alive():
-                    raise AssertionError(f"the cluster process died with exit code {child.exitcode} and no report")
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"no report from the cluster process after {CHILD_TIMEOUT_S} s")
-        child.join(timeout=120)
-    finally:
-        if child.is_alive():  # SIGTERM: Ray's handler stops the nodes before the process exits
-            child.terminate()
-            child.join(timeout=60)
-        if child.is_alive():
-            child.kill()
+    """Runs `_on_two_nodes` with Ray's token authentication on and returns its report."""
+    report = run_cluster_process(monkeypatch, _on_two_nodes, plan, CHILD_TIMEOUT_S)
     problems = [report[key] for key in ("error", "training_error") if key in report]
     assert not problems, "\n".join(problems)
     return report
