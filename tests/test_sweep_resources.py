@@ -1,14 +1,18 @@
 """How many trials a sweep runs at once (pipeline/sweeps/resources.py): a local Ray holds what it has;
 a cluster may grow, so its trials wait for nodes, announced and bounded."""
 import pickle
+import shlex
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import wait_for
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.sweeps.resources import ClusterGrowthDeadline, TrialResources, concurrent_trials, growth_notice
 
+ROOT = Path(__file__).resolve().parents[1]
 # One 8-GPU trial of README step 4 on the A100 clusters of cluster/: 8 workers of 10 CPUs and 1 GPU.
 A100_TRIAL = ["scaling.num_workers=8", "scaling.use_gpu=true", "scaling.gpus_per_worker=1", "scaling.cpus_per_worker=10",
               "tune.trial_cpus=0.25"]
@@ -103,3 +107,22 @@ def test_a_resumed_sweep_waits_its_whole_deadline_again():
     deadline.stop_all()  # its clock started in this process
     restored = pickle.loads(pickle.dumps(deadline))  # as Tune saves and restores the experiment
     assert (restored.timeout_s, restored.trial, restored.since, restored.started) == (600.0, "2 CPUs", None, False)
+
+
+def readme_cluster_sweep() -> list[str]:
+    """The `vitsweep tune` words of README step 4 ("A sweep" on the A100 cluster), as the shell splits them."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("**4. A sweep**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    return words[words.index("vitsweep"):]
+
+
+def test_the_readmes_cluster_sweep_runs_one_trial_per_node_of_the_grown_cluster_starting_from_none():
+    words = readme_cluster_sweep()
+    overrides = [value.replace("$VITSWEEP_DATA_URI", "s3://bucket/vitsweep")
+                 for flag, value in zip(words, words[1:]) if flag == "--set"]
+    cfg = load_config(str(ROOT / words[words.index("--config") + 1]), overrides)
+    launcher = yaml.safe_load((ROOT / "cluster" / "aws-p4d.yaml").read_text())
+    (gpu_node,) = [node for node in launcher["available_node_types"].values() if node["resources"].get("GPU")]
+    assert TrialResources.of(cfg).fitting(gpu_node["resources"]) == 1  # one trial per 8-GPU node
+    assert concurrent_trials(cfg, {"CPU": 0.0}, local=False) == gpu_node["max_workers"]  # scaled to zero: all wait
