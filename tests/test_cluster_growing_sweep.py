@@ -4,10 +4,11 @@ cluster/kuberay/mlflow.yaml runs it), and the MLflow credentials only in each no
 the cluster files give them to every node's `ray start`, or pod).
 
 `vitsweep tune` starts while no worker node is up yet: it sizes its trials by what the cluster's
-autoscaler says it can grow to, announces that they wait for nodes, and a worker node joins (as the
-autoscaler would add one). Every trial then runs on that node (the head has no CPU for a trial
-function or a worker), logs its run through the login, and each run holds its node's system
-metrics; no password lands in any param or tag."""
+autoscaler says it can grow to and announces that they wait for nodes. With a short start timeout no
+node comes in time and the sweep ends, saying why and how to resume; resumed, it waits again, and a
+worker node joins (as the autoscaler would add one). Every trial then runs on that node (the head
+has no CPU for a trial function or a worker), logs its run through the login, and each run holds
+its node's system metrics; no password lands in any param or tag."""
 import base64
 import json
 import os
@@ -23,10 +24,12 @@ from mlflow.tracking import MlflowClient
 
 from conftest import VITSWEEP, RunningVitsweep, mlflow_server, vitsweep_env
 from pipeline.data.staging import CACHE_DIR_ENV
+from pipeline.sweeps.resources import START_TIMEOUT_ENV
 from simulated_cluster import run_cluster_process, stop_with_the_test
 from test_cluster_multinode import assert_staged_once_from_source
 
 WORKER_CPUS = 2  # two trials at once: each a 0.5-CPU trial function + one 0.5-CPU worker
+FIRST_START_TIMEOUT_S = 5  # the first attempt's: no node joins in that time
 SWEEP_TIMEOUT_S = 900
 TRAINER = "vitsweep-train"  # the MLflow user of the cluster files' Secrets
 
@@ -57,19 +60,23 @@ def _sweep_on_a_growing_cluster(plan: dict, results) -> None:
         try:
             report_autoscaler_maximum(cluster.address, {"CPU": WORKER_CPUS}, max_nodes=1)
             # The driver runs on the head (as `ray job submit` runs it): the head's environment.
-            sweep = RunningVitsweep([*plan["command"], "--address", cluster.address],
-                                    env={**vitsweep_env(), **credentials})
+            head_env = {**vitsweep_env(), **credentials}
+            first = RunningVitsweep([*plan["command"], "--address", cluster.address],
+                                    env={**head_env, START_TIMEOUT_ENV: str(FIRST_START_TIMEOUT_S)})
+            report["first_returncode"], report["first_output"] = first.finish(timeout=300), first.output
+            resumed = RunningVitsweep([VITSWEEP, "tune", "--resume", plan["sweep_dir"], "--address", cluster.address],
+                                      env=head_env)
             try:
-                sweep.wait_for_line("waiting for the cluster to grow", timeout=300)
-                report["before_the_worker_joined"] = sweep.output
+                resumed.wait_for_line("waiting for the cluster to grow", timeout=300)
+                report["before_the_worker_joined"] = resumed.output
                 worker = cluster.add_node(num_cpus=WORKER_CPUS,
                                           env_vars={**credentials, CACHE_DIR_ENV: caches["worker"]})
                 report["nodes"] = {"head": cluster.head_node.node_id, "worker": worker.node_id}
-                report["returncode"] = sweep.finish(timeout=SWEEP_TIMEOUT_S)
+                report["returncode"] = resumed.finish(timeout=SWEEP_TIMEOUT_S)
             finally:
-                if sweep.process.poll() is None:
-                    sweep.process.kill()
-                report["output"] = sweep.output
+                if resumed.process.poll() is None:
+                    resumed.process.kill()
+                report["output"] = resumed.output
         finally:
             cluster.shutdown()
     except BaseException:
@@ -117,7 +124,7 @@ def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16):
                    f"data.train=file://{digits16['train']}", f"data.val=file://{digits16['val']}", "data.prepare=null",
                    "optim.epochs=1", "tune.scheduler=fifo", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5",
                    "tune.trial_cpus=0.5") for word in ("--set", override)]]
-    plan = {"command": command, "caches": caches,
+    plan = {"command": command, "caches": caches, "sweep_dir": str(storage / "shared" / "growing"),
             "credentials": {"MLFLOW_TRACKING_USERNAME": TRAINER, "MLFLOW_TRACKING_PASSWORD": password}}
     with pytest.MonkeyPatch.context() as patch:
         report = run_cluster_process(patch, _sweep_on_a_growing_cluster, plan, SWEEP_TIMEOUT_S + 300)
@@ -141,11 +148,21 @@ def test_the_mlflow_server_refuses_a_client_without_a_login(login_mlflow):
     assert refused.value.code == 401
 
 
-def test_a_sweep_on_a_cluster_without_a_worker_node_waits_for_one_then_finishes(growing_cluster_sweep):
+def test_a_sweep_whose_cluster_does_not_grow_in_time_ends_saying_why_and_how_to_resume(growing_cluster_sweep):
+    report, _, _, _ = growing_cluster_sweep
+    first = report["first_output"]
+    assert "2 at a time" in first  # what the autoscaler can grow the cluster to, not the 0 CPUs it has
+    assert f"The sweep stops if no trial has started after {FIRST_START_TIMEOUT_S} s" in first
+    assert report["first_returncode"] == 1, first[-5000:]
+    assert (f"no trial started within {FIRST_START_TIMEOUT_S} s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the "
+            "cluster did not grow to fit one trial") in first
+    assert "vitsweep tune --resume" in first and "Traceback" not in first
+
+
+def test_a_resumed_sweep_waits_for_the_worker_node_then_finishes(growing_cluster_sweep):
     report, _, _, _ = growing_cluster_sweep
     waiting = report["before_the_worker_joined"]
-    assert "2 at a time" in waiting  # what the autoscaler can grow the cluster to, not the 0 CPUs it has
-    assert "waiting for the cluster to grow" in waiting and "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" in waiting
+    assert "2 at a time" in waiting and "waiting for the cluster to grow" in waiting
     assert report["returncode"] == 0, report["output"][-5000:]
     assert "sweep growing (finished)" in report["output"]
 

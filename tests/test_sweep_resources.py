@@ -10,7 +10,8 @@ import yaml
 from conftest import wait_for
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.sweeps.resources import ClusterGrowthDeadline, TrialResources, concurrent_trials, growth_notice
+from pipeline.sweeps.resources import (ClusterDidNotGrow, ClusterGrowthDeadline, TrialResources, concurrent_trials,
+                                      growth_notice)
 
 ROOT = Path(__file__).resolve().parents[1]
 # One 8-GPU trial of README step 4 on the A100 clusters of cluster/: 8 workers of 10 CPUs and 1 GPU.
@@ -89,23 +90,33 @@ def test_one_trials_resources_read_in_the_singular_where_there_is_one():
     assert TrialResources.of(cfg).describe(cfg) == "1 CPU = trial function 0.5 CPU + 1 worker x (0.5 CPU)"
 
 
-def test_a_sweep_whose_cluster_never_fits_a_trial_stops_at_the_deadline_saying_why(capsys):
+def test_a_sweep_whose_cluster_never_fits_a_trial_ends_at_the_deadline_saying_why():
     deadline = ClusterGrowthDeadline(0.0, "2 CPUs")
-    wait_for(deadline.stop_all, 10, "the growth deadline to pass")
-    assert "no trial started within 0 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)" in capsys.readouterr().out
-    assert deadline.stop_all()  # and it stays stopped
+
+    def ended() -> ClusterDidNotGrow | None:
+        try:
+            deadline.on_step_end(iteration=1, trials=[])
+        except ClusterDidNotGrow as err:
+            return err
+        return None
+
+    message = str(wait_for(ended, 10, "the growth deadline to pass"))
+    assert message == ("no trial started within 0 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the cluster did not "
+                       "grow to fit one trial (2 CPUs)")
 
 
-def test_a_sweep_whose_first_trial_started_is_never_stopped_by_the_deadline():
+def test_a_sweep_whose_first_trial_started_is_never_ended_by_the_deadline():
     deadline = ClusterGrowthDeadline(0.0, "2 CPUs")
     deadline.on_trial_start(iteration=1, trials=[], trial=None)
-    assert not deadline.stop_all() and not deadline("trial_1", {})
+    for iteration in range(3):
+        deadline.on_step_end(iteration=iteration, trials=[])  # raises nothing
 
 
-def test_a_resumed_sweep_waits_its_whole_deadline_again():
-    deadline = ClusterGrowthDeadline(600.0, "2 CPUs")
-    deadline.stop_all()  # its clock started in this process
-    restored = pickle.loads(pickle.dumps(deadline))  # as Tune saves and restores the experiment
+def test_a_resumed_sweep_waits_the_whole_deadline_its_own_environment_sets(monkeypatch):
+    deadline = ClusterGrowthDeadline(5.0, "2 CPUs")
+    deadline.on_step_end(iteration=1, trials=[])  # its clock started in this process
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
+    restored = pickle.loads(pickle.dumps(deadline))  # as Tune saves the experiment and `--resume` restores it
     assert (restored.timeout_s, restored.trial, restored.since, restored.started) == (600.0, "2 CPUs", None, False)
 
 

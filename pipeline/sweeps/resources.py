@@ -14,7 +14,8 @@ workers wait.
   (the cluster config an autoscaler reports to the GCS, which Ray Train and Ray Data read too), else
   by what it has now, at least one trial. Trials that do not fit yet wait for nodes: announced, and
   bounded by ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` as ``vitsweep train``'s wait is
-  (``ClusterGrowthDeadline``; a trial whose workers do not start in that time fails in Ray Train).
+  (``ClusterGrowthDeadline`` ends a sweep none of whose trials started, resumable; a trial whose
+  workers do not start in that time fails in Ray Train).
 """
 from __future__ import annotations
 
@@ -24,11 +25,10 @@ import time
 from dataclasses import dataclass
 
 from ray.tune import Callback
-from ray.tune.stopper import Stopper
 
 from pipeline.config import ExperimentConfig
 from pipeline.console import active_console
-from pipeline.errors import InvalidInputError
+from pipeline.errors import InvalidInputError, RunFailed
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
@@ -125,37 +125,35 @@ def growth_notice(cfg: ExperimentConfig, cluster: dict[str, float], trials: int,
             f"trial whose workers do not start within {timeout:g} s fails ({START_TIMEOUT_ENV}){hint}")
 
 
-class ClusterGrowthDeadline(Callback, Stopper):
-    """Stops the sweep when no trial has started ``timeout_s`` after its first step: Tune itself would
+class ClusterDidNotGrow(RunFailed):
+    """No trial of the sweep started in time: the cluster never grew to fit one."""
+
+
+class ClusterGrowthDeadline(Callback):
+    """Ends the sweep when no trial has started ``timeout_s`` after Tune's first step: Tune itself would
     wait forever for a cluster that never grows to fit one trial function (Ray Train bounds the wait
-    for a started trial's workers). A Tune callback (it sees trials start) and the sweep's stopper."""
+    for a started trial's workers). Tune has saved the waiting trials, so ``--resume`` runs them."""
 
     def __init__(self, timeout_s: float, trial: str):
         """``trial``: what one trial needs, for the message."""
         self.timeout_s, self.trial = timeout_s, trial
-        self.started = self.expired = False
+        self.started = False
         self.since: float | None = None  # this process's clock: not saved with Tune's experiment state
 
     def __getstate__(self) -> dict:
-        return {"timeout_s": self.timeout_s, "trial": self.trial}
+        return {"trial": self.trial}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["timeout_s"], state["trial"])
+    def __setstate__(self, state: dict) -> None:  # a resumed sweep waits as long as its own environment says
+        self.__init__(start_timeout_s(), state["trial"])
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
         self.started = True
 
-    def __call__(self, trial_id: str, result: dict) -> bool:
-        return False  # no single trial is stopped here
-
-    def stop_all(self) -> bool:
-        if self.started or self.expired:
-            return self.expired
+    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+        if self.started:
+            return
         now = time.monotonic()
         self.since = self.since or now
-        self.expired = now - self.since > self.timeout_s
-        if self.expired:
-            active_console().line(
-                f"vitsweep tune: no trial started within {self.timeout_s:g} s ({START_TIMEOUT_ENV}): the cluster did "
-                f"not grow to fit one trial ({self.trial}); stopping the sweep")
-        return self.expired
+        if now - self.since > self.timeout_s:
+            raise ClusterDidNotGrow(f"no trial started within {self.timeout_s:g} s ({START_TIMEOUT_ENV}): the cluster "
+                                    f"did not grow to fit one trial ({self.trial})")

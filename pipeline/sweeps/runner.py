@@ -224,7 +224,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
         ),
         run_config=tune.RunConfig(
             name=sweep.name, storage_path=sweep.root, verbose=0,  # the sweep prints its own table
-            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False), stop=growth,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
                                      cfg.optim.epochs, cfg.tune.scheduler),
                        SweepTable(cfg.tune.metric, cfg.optim.epochs), growth],
