@@ -5,6 +5,8 @@ import multiprocessing
 import os
 import queue
 import secrets
+import subprocess
+import sys
 import time
 
 STOP_GRACE_S = 120
@@ -18,6 +20,14 @@ def stop_with_the_test(cluster, test_pid: int) -> None:
         cluster.shutdown()
     finally:
         os._exit(1)
+
+
+def driver_joins(address: str, token: str) -> bool:
+    """Whether a driver holding `token` can join the cluster (a fresh process: the token is read at start)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    probe = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); print(len(ray.nodes()))"
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=180)
+    return result.returncode == 0
 
 
 def run_cluster_process(monkeypatch, target, plan: dict, timeout_s: float) -> dict:

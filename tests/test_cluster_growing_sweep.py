@@ -8,7 +8,8 @@ autoscaler says it can grow to and announces that they wait for nodes. With a sh
 node comes in time and the sweep ends, saying why and how to resume; resumed, it waits again, and a
 worker node joins (as the autoscaler would add one). Every trial then runs on that node (the head
 has no CPU for a trial function or a worker), logs its run through the login, and each run holds
-its node's system metrics; no password lands in any param or tag."""
+its node's system metrics; no password lands in any param or tag. Token authentication is on: a
+driver with another token is refused."""
 import base64
 import json
 import os
@@ -25,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from conftest import VITSWEEP, RunningVitsweep, mlflow_server, vitsweep_env
 from pipeline.data.staging import CACHE_DIR_ENV
 from pipeline.sweeps.resources import START_TIMEOUT_ENV
-from simulated_cluster import run_cluster_process, stop_with_the_test
+from simulated_cluster import driver_joins, run_cluster_process, stop_with_the_test
 from test_cluster_multinode import assert_staged_once_from_source
 
 WORKER_CPUS = 2  # two trials at once: each a 0.5-CPU trial function + one 0.5-CPU worker
@@ -63,6 +64,7 @@ def _sweep_on_a_growing_cluster(plan: dict, results) -> None:
             head_env = {**vitsweep_env(), **credentials}
             first = RunningVitsweep([*plan["command"], "--address", cluster.address],
                                     env={**head_env, START_TIMEOUT_ENV: str(FIRST_START_TIMEOUT_S)})
+            report["joins_with_wrong_token"] = driver_joins(cluster.address, secrets.token_hex(32))  # meanwhile
             report["first_returncode"], report["first_output"] = first.finish(timeout=300), first.output
             resumed = RunningVitsweep([VITSWEEP, "tune", "--resume", plan["sweep_dir"], "--address", cluster.address],
                                       env=head_env)
@@ -146,6 +148,12 @@ def test_the_mlflow_server_refuses_a_client_without_a_login(login_mlflow):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
     assert refused.value.code == 401
+
+
+def test_only_a_driver_holding_the_clusters_token_joins_it(growing_cluster_sweep):
+    report, _, _, _ = growing_cluster_sweep
+    assert report["joins_with_wrong_token"] is False
+    assert "sweep growing:" in report["first_output"]  # the sweep's driver, with the cluster's token, joined
 
 
 def test_a_sweep_whose_cluster_does_not_grow_in_time_ends_saying_why_and_how_to_resume(growing_cluster_sweep):

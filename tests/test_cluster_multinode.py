@@ -5,9 +5,6 @@ As on a real cluster, a node's local disk is given to its processes by its envir
 (`VITSWEEP_CACHE_DIR`, see cluster/), the dataset is a URI (`file://`) so every node stages it, and
 `run.storage_path` is the filesystem all nodes share (here: this machine's)."""
 import os
-import secrets
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -59,14 +56,6 @@ def _train(cfg, address: str, report: dict) -> None:
         report["training_error"] = traceback.format_exc()
 
 
-def _connects(address: str, token: str) -> bool:
-    """Whether a driver holding `token` can join the cluster (a fresh process: the token is read at start)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    probe = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); print(len(ray.nodes()))"
-    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=180)
-    return result.returncode == 0
-
-
 def _on_two_nodes(plan: dict, results) -> None:
     """In a fresh process, where Ray reads the token mode once: two nodes, then the plan, then a report."""
     report: dict = {}
@@ -83,9 +72,6 @@ def _on_two_nodes(plan: dict, results) -> None:
             worker = cluster.add_node(**node_args(caches["worker"]))
             cluster.wait_for_nodes()
             report["nodes"] = [cluster.head_node.node_id, worker.node_id]
-            if plan.get("probe_auth"):
-                report["joins_with_token"] = _connects(cluster.address, os.environ["RAY_AUTH_TOKEN"])
-                report["joins_with_wrong_token"] = _connects(cluster.address, secrets.token_hex(32))
             if plan.get("overrides"):
                 # The driver trains in a thread: Ray starts nodes (add_node) from the main thread only.
                 cfg = load_config("smoke", plan["overrides"])
@@ -136,12 +122,6 @@ def assert_staged_once_from_source(cache: Path, digits16) -> None:
     for copy in copies:
         source = next(Path(digits16[s]) for s in ("train", "val") if Path(digits16[s]).name == copy.name)
         assert read_sidecar(copy) == read_sidecar(source)  # same bytes: the sidecar records their SHA-256
-
-
-def test_a_driver_without_the_clusters_token_is_refused(tmp_path, monkeypatch):
-    report = on_two_nodes(monkeypatch, {"caches": caches(tmp_path), "probe_auth": True})
-    assert report["joins_with_token"] is True
-    assert report["joins_with_wrong_token"] is False
 
 
 def test_training_spreads_over_both_nodes_each_staging_the_dataset_once_into_its_own_cache(

@@ -94,8 +94,7 @@ def as_image_user() -> list[str]:
     return drop if probe.returncode == 0 else []
 
 
-@functools.cache
-def run_on(node: Node, command: str) -> subprocess.CompletedProcess:
+def node_process(node: Node, command: str) -> subprocess.Popen:
     """`command` as the node runs it, in a private mount namespace holding the node's /mnt and HOME."""
     user = as_image_user()
     env = {**{k: v for k, v in vitsweep_env().items() if k in ("PATH", "PYTHONPATH", "LANG")},
@@ -119,7 +118,16 @@ def run_on(node: Node, command: str) -> subprocess.CompletedProcess:
     ]
     namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else [
         "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
-    return subprocess.run([*namespace, "bash", "-c", "\n".join(setup)], capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([*namespace, "bash", "-c", "\n".join(setup)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@functools.cache
+def ran_on_their_nodes() -> dict[tuple[Node, str], tuple[int, str, str]]:
+    """Every (node, command), run side by side (each mostly imports): {(node, command): (exit code, stdout, stderr)}."""
+    running = {key: node_process(*key) for key in COMMANDS}
+    outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
+    return {key: (running[key].returncode, *outputs[key]) for key in running}
 
 
 def doctor_lines(stdout: str) -> dict[str, tuple[str, str]]:
@@ -148,9 +156,9 @@ def test_every_cluster_file_checks_its_nodes_with_vitsweep_doctor():
 
 @pytest.mark.parametrize("node,command", list(COMMANDS), ids=lambda v: v.kind if isinstance(v, Node) else v)
 def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(node, command):
-    result = run_on(node, command)
-    lines = doctor_lines(result.stdout)
-    where = f"{COMMANDS[(node, command)]}\n{result.stdout}\n{result.stderr[-3000:]}"
+    returncode, stdout, stderr = ran_on_their_nodes()[(node, command)]
+    lines = doctor_lines(stdout)
+    where = f"{COMMANDS[(node, command)]}\n{stdout}\n{stderr[-3000:]}"
     assert {"python", "torch", "gpu", "mlflow", "disk"} <= set(lines), where
     # Everything but the GPU is healthy here: it passes, or it cannot apply on this node and says why.
     for name, (status, detail) in lines.items():
@@ -159,16 +167,16 @@ def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(node, c
     status, detail = lines["gpu"]
     gpu_problem = gpu_check_here()
     if not node.has_gpus:  # a CPU node is healthy without GPUs
-        assert status in ("ok", "skip") and result.returncode == 0, where
+        assert status in ("ok", "skip") and returncode == 0, where
     elif gpu_problem is None:
-        assert status == "ok" and result.returncode == 0, where
+        assert status == "ok" and returncode == 0, where
     else:  # a GPU node whose GPUs this machine does not have: that is its only failure
-        assert status == "FAIL" and gpu_problem in detail and result.returncode == 1, where
+        assert status == "FAIL" and gpu_problem in detail and returncode == 1, where
 
 
 def test_an_init_container_checks_the_driver_only_and_says_why_it_skips_the_rest():
-    ((node, command),) = [key for key in COMMANDS if key[0] is INIT_CONTAINER]
-    lines = doctor_lines(run_on(node, command).stdout)
+    (key,) = [key for key in COMMANDS if key[0] is INIT_CONTAINER]
+    lines = doctor_lines(ran_on_their_nodes()[key][1])
     assert lines["mlflow"][0] == "skip" and "no tracking URI" in lines["mlflow"][1]
     assert lines["disk"][0] == "skip" and "no volume" in lines["disk"][1]
     assert lines["gpu"][0] != "skip"
