@@ -37,6 +37,9 @@ from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
 
+MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
     """What the driver resolved before any worker started (sent as Ray's train_loop_config)."""
@@ -167,11 +170,13 @@ class Trainer:
 
     def stop_monitoring(self) -> None:
         """The node's last system-metrics sample, logged while the run is still open: a run shorter than
-        one sampling interval still has one per node."""
+        one sampling interval still has one per node. A store that does not answer never holds the worker up."""
         if self.monitor_start is not None:
-            self.monitor_start.join()
+            self.monitor_start.join(MONITOR_STOP_TIMEOUT_S)
         if self.monitor is not None:
-            self.monitor.finish()
+            stopping = threading.Thread(target=self.monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(MONITOR_STOP_TIMEOUT_S)
 
     def fit(self) -> None:
         self.setup()

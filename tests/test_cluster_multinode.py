@@ -139,8 +139,9 @@ def test_training_spreads_over_both_nodes_each_staging_the_dataset_once_into_its
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1]
-    # Each node's system metrics, though one epoch is shorter than MLflow's sampling interval.
-    assert {f"system/node{rank}/cpu_utilization_percentage" for rank in (0, 1)} <= set(run.data.metrics)
+    # The node's system metrics, though one epoch is shorter than MLflow's sampling interval (Ray Train
+    # numbers nodes by IP: both simulated nodes are this one machine, node0).
+    assert "system/node0/cpu_utilization_percentage" in run.data.metrics
 
 
 def test_losing_a_node_mid_run_restarts_the_group_on_a_new_node_and_the_mlflow_run_continues(
