@@ -37,6 +37,9 @@ from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
 
+MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
     """What the driver resolved before any worker started (sent as Ray's train_loop_config)."""
@@ -91,6 +94,8 @@ class Trainer:
         self.plan = plan
         self.cfg = ExperimentConfig.model_validate(plan.config)
         self.time_to_first_step: float | None = None
+        self.monitor_start: threading.Thread | None = None  # this node's system-metrics monitor (local rank 0)
+        self.monitor = None
 
     def setup(self) -> None:
         # Here, in the worker process only: the driver imports this module to hand `train_worker`
@@ -105,8 +110,10 @@ class Trainer:
         self.device = ray.train.torch.get_device()
         torch.manual_seed(cfg.run.seed + self.rank)
         quiet_numba_finalizers()
-        if context.get_local_rank() == 0:  # one monitor per node, on its own thread: MLflow imports slowly
-            threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),), daemon=True).start()
+        if context.get_local_rank() == 0:  # one monitor per node, started on its own thread: MLflow imports slowly
+            self.monitor_start = threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),),
+                                                  daemon=True)
+            self.monitor_start.start()
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
@@ -159,10 +166,26 @@ class Trainer:
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking import MlflowRun
 
-        MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+        self.monitor = MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+
+    def stop_monitoring(self) -> None:
+        """The node's last system-metrics sample, logged while the run is still open: a run shorter than
+        one sampling interval still has one per node. A store that does not answer never holds the worker up."""
+        if self.monitor_start is not None:
+            self.monitor_start.join(MONITOR_STOP_TIMEOUT_S)
+        if self.monitor is not None:
+            stopping = threading.Thread(target=self.monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(MONITOR_STOP_TIMEOUT_S)
 
     def fit(self) -> None:
         self.setup()
+        try:
+            self.train_epochs()
+        finally:
+            self.stop_monitoring()
+
+    def train_epochs(self) -> None:
         # Epochs count from 1 in everything a person sees (console, MLflow steps, Tune, resumed_at_epoch);
         # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
