@@ -19,6 +19,7 @@ from pipeline.console import LOG_FILE_NAME, active_console, quiet_environment
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import InvalidInputError
 from pipeline.jobs import check_paths_outlive_job
+from pipeline.locations import check_can_create, run_directories
 
 if TYPE_CHECKING:
     from pipeline.runs import CheckedRun, TrainingOutcome
@@ -97,6 +98,7 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     # A dataset to write (the first run only) is written here, before Ray starts or the checks'
     # thread: ffcv's writer forks its worker processes, best from a process with no other threads.
     check_paths_outlive_job(cfg)  # not into a Ray job's temporary working directory
+    check_can_create(run_directories(cfg))
     prepare_offline_data(cfg.with_absolute_paths())
 
     def check() -> CheckedRun:

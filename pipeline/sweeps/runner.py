@@ -38,6 +38,7 @@ from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import InvalidInputError
+from pipeline.locations import check_can_create, run_directories
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
@@ -195,6 +196,7 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
     check_paths_outlive_job(cfg)
+    check_can_create(run_directories(cfg, sweep=True))
     cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
     root = cfg.tune.storage_path or cfg.run.storage_path
@@ -227,6 +229,7 @@ def load_sweep(sweep_dir: str) -> Sweep:
     record = json.loads(text)
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
+    check_can_create(run_directories(cfg, sweep=True))
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
     plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
     return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
