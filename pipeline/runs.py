@@ -162,11 +162,13 @@ def remove_unregistered_checkpoints(run: CheckedRun) -> None:
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
     """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
-    named and skipped; none intact is bad input): it must be this model's."""
-    if not (run_dir / CHECKPOINT_SNAPSHOT).exists():
-        return
-    intact = check_run_checkpoints(run_dir)
+    named and skipped; none intact is bad input): it must be this model's. One stopped before its
+    first checkpoint starts again from epoch 1, which is said."""
+    intact = check_run_checkpoints(run_dir) if (run_dir / CHECKPOINT_SNAPSHOT).exists() else None
     if intact is None:
+        if read_run_record(run_dir) is not None:  # it was started: its MLflow run continues
+            active_console().line(f"run {cfg.run.name} was started before, but no checkpoint was saved: "
+                                  "starting from epoch 1")
         return
     newest = checkpoints_newest_first(run_dir)[0]
     if intact != newest:
