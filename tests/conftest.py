@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -69,12 +70,18 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+# Set to a value of its own in each background command's environment, which every process it starts
+# (Ray's, however deep, even once orphaned) inherits: how a test finds them all.
+PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
+
+
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.mark = uuid.uuid4().hex
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=vitsweep_env())
+                                        env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -102,6 +109,19 @@ class RunningVitsweep:
             except psutil.NoSuchProcess:
                 continue
         return workers
+
+    def processes(self) -> list:
+        """Every live process this command started, at any depth (the command itself included)."""
+        import psutil
+
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(PROCESS_MARK) == self.mark:
+                    found.append(process)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
 
     def finish(self, timeout: float = 600) -> int:
         try:

@@ -2,6 +2,7 @@
 recorded FAILED."""
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ def test_missing_dataset_exits_2_naming_the_path(tmp_path, digits16):
     result = run_vitsweep(train_command(tmp_path / "runs", data), timeout=120)
     assert result.returncode == 2 and "nowhere.beton" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_storage_path_that_cannot_be_created_exits_2_naming_it_before_ray_starts(tmp_path, digits16):
+    result = run_vitsweep(train_command(Path("/proc/vitsweep-test/runs"), digits16), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "run.storage_path: '/proc/vitsweep-test/runs' cannot be created" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_bad_input_stops_the_local_ray_that_started_alongside_the_checks(tmp_path, digits16):

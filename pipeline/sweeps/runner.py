@@ -37,7 +37,7 @@ from pipeline.config import ExperimentConfig, apply_overrides, load_config, vali
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
 from pipeline.jobs import check_paths_outlive_job
-from pipeline.errors import InvalidInputError
+from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.locations import check_can_create, run_directories
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
@@ -322,7 +322,11 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    try:
+        start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    except Interrupted:
+        ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
+        raise
     max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
 
     parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
