@@ -103,3 +103,9 @@ def test_data_prepare_into_a_directory_that_cannot_be_created_exits_2(capsys):
     assert main(["data", "prepare", "--config", "smoke", "--set", f"data.train={UNCREATABLE}/t.beton"]) == \
         EXIT_INVALID_INPUT
     assert "data.train: '/proc/vitsweep-test/runs' cannot be created" in capsys.readouterr().err
+
+
+def test_doctor_fails_the_disk_check_naming_a_storage_path_that_cannot_be_created(capsys):
+    assert main(["doctor", "--set", f"run.storage_path={UNCREATABLE}"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  disk" in out and "run.storage_path: '/proc/vitsweep-test/runs' cannot be created" in out
