@@ -97,9 +97,9 @@ def open_source(source: str, split: str | None = None, img_size: int | None = No
     cifar = find_cifar(root)
     if cifar is not None:
         return CifarSource(cifar, _require_split(split, f"CIFAR at {source!r}"))
-    if split is None and _folders(root) == set(SPLITS):
+    if split is None and set(SPLITS) <= _folders(root):
         raise InvalidInputError(
-            f"source {source!r} holds only the folders {' and '.join(SPLITS)}: they are its splits, not two classes; "
+            f"source {source!r} holds the folders {' and '.join(SPLITS)}: they are its splits, not classes; "
             f"choose one with --split {{{','.join(SPLITS)}}}"
         )
     if split is not None:
