@@ -162,7 +162,8 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         return launch(run, tracking, launched_at)
     except BaseException as err:
         # Bad input, a failed start, a failed or interrupted run: Ray's processes and the workers go too.
-        ray.shutdown(wait_for_processes=True)
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)
         if isinstance(err, Interrupted) and not err.outcome:  # not recorded by the fit
             if tracking is None:
                 err.outcome = "stopped before training started; nothing was recorded"

@@ -66,6 +66,18 @@ def held() -> Iterator[None]:
         raise Interrupted(signums[0])
 
 
+@contextlib.contextmanager
+def ignored() -> Iterator[None]:
+    """Signals inside the block are dropped: the command is stopping already, and cutting its clean-up
+    short (Ray's shutdown) would leave processes behind. Main thread only."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 class OnThread(Generic[T]):
     """``function()`` on a daemon thread, its result (or error) handed back by ``result()``: the main
     thread stays free to take signals, and an interrupted command exits without waiting for it."""

@@ -32,6 +32,12 @@ def test_the_handlers_before_are_back_after_a_block_that_replaced_them():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_signal_inside_ignored_is_dropped():
+    with interrupts.ignored():
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the test process if it were not ignored
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+
+
 def test_work_on_a_thread_hands_back_its_result_or_its_error():
     assert interrupts.OnThread(lambda: 42, "answer").result() == 42
     with pytest.raises(ZeroDivisionError):

@@ -32,7 +32,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
@@ -325,7 +325,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     try:
         start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
     except Interrupted:
-        ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
         raise
     max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
 
