@@ -1,8 +1,8 @@
 """SIGINT and SIGTERM, whatever the moment: the command stops, says so in one line and exits 130 / 143.
 
-From the start of a command both signals raise ``Interrupted`` in the main thread, so whatever runs
-there stops and each layer cleans up on its way out (a local Ray is shut down, an open MLflow run is
-marked KILLED). The one moment that cannot be interrupted in place is a local Ray's start-up: a
+For the whole of a command (``raised``) both signals raise ``Interrupted`` in the main thread, so
+whatever runs there stops and each layer cleans up on its way out (a local Ray is shut down, an open
+MLflow run is marked KILLED). The one moment that cannot be interrupted in place is a local Ray's start-up: a
 half-started Ray cannot be stopped whole (its agents would outlive the command), and ``ray.init``
 replaces the SIGTERM handler with its own (an exit that stops nothing). While Ray starts, a signal
 is held and raised as soon as ``ray.init`` returns (``held``), when Ray can be shut down cleanly.
@@ -28,12 +28,6 @@ def _interrupt(signum: int, frame) -> None:
         _held.append(signum)
         return
     raise Interrupted(signum)
-
-
-def install() -> None:
-    """Both signals raise ``Interrupted`` in the main thread from now on (a command's first step)."""
-    for signum in SIGNALS:
-        signal.signal(signum, _interrupt)
 
 
 @contextlib.contextmanager

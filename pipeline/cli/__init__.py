@@ -34,7 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupts.install()  # first: a signal at any later moment ends the command with its exit code
+    try:
+        with interrupts.raised():  # first: a signal at any later moment ends the command with its exit code
+            return _command(argv)
+    except Interrupted as stop:  # before the command line was read
+        print(f"vitsweep: interrupted by {stop.signal_name}", file=sys.stderr)
+        return stop.exit_code
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
