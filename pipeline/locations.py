@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipeline import uris
 from pipeline.config import ExperimentConfig, location_problem
-from pipeline.data.integrity import verified_record_path
+from pipeline.data.verification import verified_record_path
 from pipeline.data.staging import CACHE_DIR_ENV, cache_dir_for
 from pipeline.errors import InvalidInputError
 

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
+from pipeline.config import DataConfig
 
 SOURCE_HELP = "an ImageFolder directory (one folder per class), a CIFAR-10/100 python-pickle directory, or 'digits'"
 
@@ -54,6 +55,9 @@ def add_parser(commands) -> None:
     stage = actions.add_parser("stage", help="Copy a dataset URI once into this node's cache; print the local path.")
     stage.add_argument("uri", metavar="URI_OR_PATH", help="s3://, gs://, file://, ... or a local path (used in place)")
     stage.add_argument("--cache-dir", required=True, metavar="DIR", help="node-local directory for staged copies")
+    streams = DataConfig.model_fields["stage_streams"]
+    stage.add_argument("--streams", type=int, default=streams.default, metavar="N",
+                       help=f"byte ranges read at once, as data.stage_streams (default {streams.default})")
     stage.set_defaults(run=_stage)
 
     prepare = actions.add_parser(
@@ -155,6 +159,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stage(args: argparse.Namespace) -> int:
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
     from pipeline.config import location_problem
     from pipeline.data.staging import stage_dataset
     from pipeline.errors import InvalidInputError
@@ -163,8 +171,13 @@ def _stage(args: argparse.Namespace) -> int:
     problem = location_problem(args.uri, kind="file")
     if problem:
         raise InvalidInputError(f"URI_OR_PATH: {problem}")
+    streams = DataConfig.model_fields["stage_streams"]  # the flag takes what the config key takes
+    try:
+        TypeAdapter(Annotated[streams.annotation, streams]).validate_python(args.streams)
+    except ValidationError as err:
+        raise InvalidInputError(f"--streams {args.streams}: {err.errors(include_url=False)[0]['msg']}") from None
     check_can_create({"--cache-dir": args.cache_dir})
-    print(stage_dataset(args.uri, args.cache_dir))
+    print(stage_dataset(args.uri, args.cache_dir, args.streams))
     return 0
 
 
