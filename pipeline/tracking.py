@@ -32,7 +32,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from pipeline.config import ExperimentConfig, uri_password_problem
+from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
 from pipeline.console import say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
@@ -84,9 +84,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str:
         directory = Path(uri)
     else:
         raise ConnectionError(f"MLflow URI {uri!r}: vitsweep can check http(s)://, sqlite:/// and file:// stores")
-    existing = next((p for p in [directory, *directory.parents] if p.exists()), Path("/"))
-    if not os.access(existing, os.W_OK):
-        raise ConnectionError(f"MLflow store {uri}: {existing} is not writable")
+    problem = location_problem(directory, kind="directory", create=True)
+    if problem:
+        raise ConnectionError(f"MLflow store {uri}: {problem}")
     return f"local store under {directory} ({'exists' if directory.exists() else 'will be created'})"
 
 

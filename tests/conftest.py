@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,12 +123,18 @@ def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> I
             process.wait(timeout=30)
 
 
+# Set to a value of its own in each background command's environment, which every process it starts
+# (Ray's, however deep, even once orphaned) inherits: how a test finds them all.
+PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
+
+
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.mark = uuid.uuid4().hex
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=env or vitsweep_env())
+                                        env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -155,6 +162,19 @@ class RunningVitsweep:
             except psutil.NoSuchProcess:
                 continue
         return workers
+
+    def processes(self) -> list:
+        """Every live process this command started, at any depth (the command itself included)."""
+        import psutil
+
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(PROCESS_MARK) == self.mark:
+                    found.append(process)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
 
     def finish(self, timeout: float = 600) -> int:
         try:

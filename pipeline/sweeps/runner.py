@@ -25,12 +25,13 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job
-from pipeline.errors import InvalidInputError
+from pipeline.errors import Interrupted, InvalidInputError
+from pipeline.locations import check_can_create, run_directories
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
@@ -140,6 +141,7 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
     check_paths_outlive_job(cfg)
+    check_can_create(run_directories(cfg, sweep=True))
     cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
     root = cfg.tune.storage_path or cfg.run.storage_path
@@ -172,6 +174,7 @@ def load_sweep(sweep_dir: str) -> Sweep:
     record = json.loads(text)
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
+    check_can_create(run_directories(cfg, sweep=True))
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
     plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
     return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
@@ -265,7 +268,12 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    try:
+        start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    except Interrupted:
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
+        raise
     local = ray_address(address) == "local"
     cluster, ceiling = ray.cluster_resources(), None if local else autoscaler_ceiling()
     max_concurrent = concurrent_trials(cfg, cluster, local, ceiling)
