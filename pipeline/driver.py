@@ -19,6 +19,7 @@ from pipeline.console import LOG_FILE_NAME, active_console, quiet_environment
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import InvalidInputError
 from pipeline.jobs import check_paths_outlive_job
+from pipeline.lr_scaling import describe_lr
 
 if TYPE_CHECKING:
     from pipeline.runs import CheckedRun, TrainingOutcome
@@ -124,6 +125,7 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)
         console.line(f"training {run.run_name}: library output in {console.log_path}")
+        console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
         tracking = open_tracking(run)
         return launch(run, tracking, launched_at)
     except BaseException:

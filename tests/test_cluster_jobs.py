@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from pipeline.engine import deepspeed_config, global_batch_size
+from pipeline.engine import deepspeed_config
+from pipeline.lr_scaling import global_batch_size
 
 JOBS = sorted((Path(__file__).resolve().parents[1] / "cluster" / "jobs").glob("*.yaml"))
 BASE_LR, BASE_BATCH = 5e-4, 512  # DeiT/XCiT: lr = 5e-4 x global batch / 512
@@ -37,7 +38,7 @@ def test_job_global_batch_is_micro_batch_times_accumulation_times_gpus(path):
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
 def test_job_learning_rate_scales_linearly_with_the_global_batch(path):
     cfg = load_config(str(path))
-    expected = BASE_LR * global_batch_size(cfg, cfg.scaling.num_workers) / BASE_BATCH
+    expected = BASE_LR * global_batch_size(cfg.optim, cfg.scaling.num_workers) / BASE_BATCH
     assert cfg.optim.lr == pytest.approx(expected)
     assert cfg.optim.schedule.warmup_epochs >= 5  # large batches need the warmup the rule comes with
 

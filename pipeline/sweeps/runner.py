@@ -185,11 +185,16 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
         raise SpaceError("tune.searcher=tpe needs at least one knob with more than one value")
 
 
+def base_config(config: str | None, overrides: list[str], space: SearchSpace) -> ExperimentConfig:
+    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``."""
+    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
+    return validate(apply_overrides(tree, list(overrides)))
+
+
 def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
     """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
     space = load_spaces(space_refs)
-    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
-    cfg = validate(apply_overrides(tree, list(overrides)))
+    cfg = base_config(config, overrides, space)
     _check_settings(cfg, space)
 
     # Trials run in their own working directories: every local path becomes absolute here.
