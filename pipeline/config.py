@@ -24,7 +24,6 @@ from pipeline import uris
 from pipeline.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
-DEFAULT_LR = 5e-4  # optim.lr when a config gives no rate (DeiT's, as an absolute rate)
 # The largest integer any config value may hold: torch, numpy, numba (ffcv's loaders) and Optuna
 # all take 32-bit counts and seeds; a larger one overflows inside a worker, long after validation.
 MAX_INT = 2**31 - 1
@@ -264,7 +263,7 @@ class OptimConfig(_Section):
     """
 
     # AdamW's rate, absolute: the same whatever the global batch. null when lr_per_512 gives the
-    # rate; with neither given, DEFAULT_LR.
+    # rate; with neither given, DeiT's 5e-4 (pipeline.lr_scaling.DEFAULT_LR), absolute.
     lr: float | None = Field(None, gt=0.0)
     # DeiT's convention (5e-4 per 512): the rate at a global batch of 512 images; the run trains at
     # this rate scaled to its global batch by lr_scaling (pipeline.lr_scaling).
@@ -284,13 +283,6 @@ class OptimConfig(_Section):
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _absolute_lr_by_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("lr") is None and data.get("lr_per_512") is None:
-            return {**data, "lr": DEFAULT_LR}
-        return data
-
     @model_validator(mode="after")
     def _one_learning_rate(self) -> OptimConfig:
         if self.lr is not None and self.lr_per_512 is not None:
@@ -299,10 +291,11 @@ class OptimConfig(_Section):
                 "one and set the other to null: optim.lr is absolute, optim.lr_per_512 is scaled to the global "
                 "batch (micro batch x accumulation x workers) by optim.lr_scaling"
             )
-        if self.lr is not None and self.lr_scaling != "linear":
+        if self.lr_per_512 is None and self.lr_scaling != "linear":
+            given = f"given absolutely (optim.lr={self.lr:g})" if self.lr is not None else "not given"
             raise ValueError(
-                f"optim.lr_scaling={self.lr_scaling!r} scales optim.lr_per_512, but the rate is given absolutely "
-                f"(optim.lr={self.lr:g}); give optim.lr_per_512 (and optim.lr=null) for a rate that follows the batch"
+                f"optim.lr_scaling={self.lr_scaling!r} scales optim.lr_per_512, which is {given}; give "
+                "optim.lr_per_512 (and optim.lr=null) for a rate that follows the global batch"
             )
         return self
 

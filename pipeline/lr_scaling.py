@@ -26,21 +26,25 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeline.config import OptimConfig
 
+DEFAULT_LR = 5e-4  # the rate of a config giving neither optim.lr nor optim.lr_per_512: DeiT's, absolute
 REFERENCE_BATCH = 512  # optim.lr_per_512 is the rate at this global batch (DeiT: 5e-4 per 512)
 LINEAR_VALIDATED_BATCH = 1024  # DeiT's and XCiT's global batch: the sqrt rule is linear up to here
+# The config keys a per-batch rate's effective value depends on, besides the world size.
+RATE_INPUTS = ("optim.lr_per_512", "optim.lr_scaling", "optim.micro_batch_size", "optim.grad_accum_steps")
 EFFECTIVE_LR_PARAM = "optim.lr_effective"  # MLflow params: derived values, beside the config's own keys
 GLOBAL_BATCH_PARAM = "optim.global_batch_size"
 
 
 def global_batch_size(optim: OptimConfig, world_size: int) -> int:
-    """Images per optimizer step: micro batch x grad accumulation x data-parallel workers (DeepSpeed's train_batch_size)."""
+    """Images per optimizer step (DeepSpeed's train_batch_size): micro batch x grad accumulation x workers."""
     return optim.micro_batch_size * optim.grad_accum_steps * world_size
 
 
 def effective_lr(optim: OptimConfig, world_size: int) -> float:
-    """The rate ``world_size`` workers train at: ``optim.lr``, or ``optim.lr_per_512`` scaled to the global batch."""
-    if optim.lr is not None:
-        return optim.lr
+    """The rate ``world_size`` workers train at: ``optim.lr``, or ``optim.lr_per_512`` scaled to the global
+    batch, or with neither given DeiT's 5e-4 (absolute)."""
+    if optim.lr_per_512 is None:
+        return DEFAULT_LR if optim.lr is None else optim.lr
     batch = global_batch_size(optim, world_size)
     if optim.lr_scaling == "linear":
         return optim.lr_per_512 * batch / REFERENCE_BATCH
@@ -54,8 +58,9 @@ def describe_lr(optim: OptimConfig, world_size: int) -> str:
     geometry = (f"global batch {batch} = {optim.micro_batch_size} per worker x {optim.grad_accum_steps} accumulation "
                 f"step{'s' if optim.grad_accum_steps > 1 else ''} x {world_size} worker{'s' if world_size > 1 else ''}")
     rate = effective_lr(optim, world_size)
-    if optim.lr is not None:
-        return f"{geometry}; lr {rate:.3g} (optim.lr, absolute: the same at any batch)"
+    if optim.lr_per_512 is None:
+        given = "optim.lr" if optim.lr is not None else "no optim.lr or optim.lr_per_512 given: DeiT's default"
+        return f"{geometry}; lr {rate:.3g} ({given}, absolute: the same at any batch)"
     if optim.lr_scaling == "linear" or batch <= LINEAR_VALIDATED_BATCH:
         arithmetic = f"{optim.lr_per_512:g} x {batch}/{REFERENCE_BATCH}"
     else:
@@ -66,4 +71,5 @@ def describe_lr(optim: OptimConfig, world_size: int) -> str:
 
 def recorded_params(optim: OptimConfig, world_size: int) -> dict[str, Any]:
     """The derived values MLflow records beside the config's own keys (``optim.lr`` / ``optim.lr_per_512``)."""
-    return {EFFECTIVE_LR_PARAM: effective_lr(optim, world_size), GLOBAL_BATCH_PARAM: global_batch_size(optim, world_size)}
+    return {EFFECTIVE_LR_PARAM: effective_lr(optim, world_size),
+            GLOBAL_BATCH_PARAM: global_batch_size(optim, world_size)}

@@ -122,6 +122,17 @@ def test_the_rules_job_batch_is_the_paired_jobs():
     assert gpus == rules.cluster_gpus
 
 
+def test_xcits_own_recipe_is_the_one_override_away_the_readme_says():
+    recipe = _rule(rf"XCiT's own recipe \(global batch ({NUMBER}), lr ({NUMBER})[^)]*\) is one override away: (.*?)\. ")
+    overrides = re.findall(r"`--set (\S+)`", recipe[3])
+    assert overrides, "the README names no override that gives XCiT's recipe back"
+    for override in overrides:
+        cfg = load_config(str(REPO / "cluster/jobs/a100_8x8.yaml"), [override])
+        workers = cfg.scaling.num_workers
+        assert global_batch_size(cfg.optim, workers) == _number(recipe[1]), override
+        assert effective_lr(cfg.optim, workers) == pytest.approx(_number(recipe[2])), override
+
+
 def resolve(command: ReadmeCommand) -> ExperimentConfig:
     """The config `vitsweep` would run: a sweep's is the base every trial starts from."""
     args = build_parser().parse_args(command.argv[1:])
@@ -184,5 +195,8 @@ def test_each_sweep_runs_as_many_trials_at_once_as_its_step_says(command):
     rules, cfg = readme_rules(), resolve(command)
     at_once = re.search(r"(\d+) at a time", _one_line(command.prose))
     assert at_once, f"step {command.step} does not say how many trials run at a time"
+    per_node = re.search(r"one trial per (\d+)-GPU node", _one_line(command.prose))
+    if per_node:  # a trial fills whole nodes: its workers are one node's GPUs
+        assert cfg.scaling.num_workers == int(per_node[1]) == rules.gpus_per_node
     cluster = {"CPU": rules.nodes * rules.node_vcpus, "GPU": rules.cluster_gpus}  # the head takes no workers
     assert concurrent_trials(cfg, cluster) == int(at_once[1])

@@ -2,15 +2,18 @@
 accumulation x workers (linear, or sqrt beyond DeiT's and XCiT's 1,024), one rate given one way,
 and the optimizer, its schedule, the console and `vitsweep config show` all use the same rate."""
 import math
+from pathlib import Path
+
 import pytest
 import torch
 
-from pipeline.cli import EXIT_OK, main
+from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.lr_scaling import describe_lr, effective_lr, global_batch_size
 from pipeline.optim import build_optimizer, build_scheduler
 
+REPO = Path(__file__).resolve().parents[1]
 PER_BATCH = ["optim.lr=null", "optim.lr_per_512=5e-4"]  # DeiT's 5e-4 per 512 images
 
 
@@ -40,9 +43,10 @@ def test_an_absolute_rate_is_the_same_at_every_batch():
     assert {effective_lr(cfg.optim, workers) for workers in (1, 2, 8, 64)} == {2e-3}
 
 
-def test_a_config_giving_no_rate_trains_at_deits_absolute_default():
-    cfg = load_config("smoke", ["optim.lr=null"])
-    assert cfg.optim.lr == 5e-4 and cfg.optim.lr_per_512 is None
+def test_a_config_giving_no_rate_trains_at_deits_rate_absolutely():
+    cfg = load_config("smoke")  # the preset names no rate
+    assert cfg.optim.lr is None and cfg.optim.lr_per_512 is None
+    assert {effective_lr(cfg.optim, workers) for workers in (1, 64)} == {5e-4}
 
 
 def test_both_rates_given_is_an_error_naming_both_keys():
@@ -51,9 +55,10 @@ def test_both_rates_given_is_an_error_naming_both_keys():
     assert "optim.lr=0.001 and optim.lr_per_512=0.0005 both give the learning rate" in str(err.value)
 
 
-def test_sqrt_scaling_of_an_absolute_rate_is_an_error():
-    with pytest.raises(ConfigError, match="optim.lr_scaling='sqrt' scales optim.lr_per_512"):
-        load_config("smoke", ["optim.lr=1e-3", "optim.lr_scaling=sqrt"])
+@pytest.mark.parametrize("rate", [["optim.lr=1e-3"], []], ids=["absolute", "none"])
+def test_sqrt_scaling_without_a_per_batch_rate_is_an_error(rate):
+    with pytest.raises(ConfigError, match="optim.lr_scaling='sqrt' scales optim.lr_per_512, which is"):
+        load_config("smoke", [*rate, "optim.lr_scaling=sqrt"])
 
 
 def test_a_per_batch_config_round_trips_through_yaml(tmp_path):
@@ -61,6 +66,15 @@ def test_a_per_batch_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "shown.yaml"
     path.write_text(cfg.to_yaml())
     assert load_config(str(path)) == cfg
+
+
+def test_training_with_both_rates_exits_2_naming_both_before_anything_starts(tmp_path, capsys):
+    # The old habit on the cluster job: an absolute rate on top of the job's per-batch one.
+    code = main(["train", "--config", str(REPO / "cluster/jobs/a100_8x8.yaml"), "--set", "optim.lr=8e-3",
+                 "--set", f"run.storage_path={tmp_path}"])
+    assert code == EXIT_INVALID_INPUT
+    assert "optim.lr=0.008 and optim.lr_per_512=" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_the_optimizer_and_its_schedule_peak_at_the_effective_rate():
