@@ -37,6 +37,7 @@ from pipeline.config import ExperimentConfig, apply_overrides, load_config, vali
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import start_ray
 from pipeline.jobs import check_paths_outlive_job
+from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.errors import InvalidInputError
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
@@ -395,9 +396,10 @@ def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
     """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
     cfg = sweep.cfg
     knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
+    rates = [EFFECTIVE_LR_PARAM] if set(sweep.space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
     metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
-    columns = [*(f"params.`{knob}`" for knob in knobs), *(f"metrics.`{m}`" for m in metrics), "tags.`stop_reason`",
-               "attributes.`User`"]
+    columns = [*(f"params.`{knob}`" for knob in [*knobs, *rates]), *(f"metrics.`{m}`" for m in metrics),
+               "tags.`stop_reason`", "attributes.`User`"]
     MlflowStore(parent.uri).save_view(
         parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
         order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
