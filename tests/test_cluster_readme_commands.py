@@ -13,7 +13,7 @@ import pytest
 from pipeline.cli import build_parser
 from pipeline.config import ExperimentConfig, load_config
 from pipeline.lr_scaling import effective_lr, global_batch_size
-from pipeline.sweeps.runner import base_config, concurrent_trials
+from pipeline.sweeps.runner import TrialResources, base_config
 from pipeline.sweeps.spaces import load_spaces
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,5 +198,7 @@ def test_each_sweep_runs_as_many_trials_at_once_as_its_step_says(command):
     per_node = re.search(r"one trial per (\d+)-GPU node", _one_line(command.prose))
     if per_node:  # a trial fills whole nodes: its workers are one node's GPUs
         assert cfg.scaling.num_workers == int(per_node[1]) == rules.gpus_per_node
-    cluster = {"CPU": rules.nodes * rules.node_vcpus, "GPU": rules.cluster_gpus}  # the head takes no workers
-    assert concurrent_trials(cfg, cluster) == int(at_once[1])
+    need = TrialResources.of(cfg)  # the head takes no workers: the nodes' CPUs and GPUs hold the trials
+    fits = min(rules.nodes * rules.node_vcpus // need.cpus, rules.cluster_gpus // need.gpus)
+    assert fits == int(at_once[1]), f"step {command.step}: {need.describe(cfg)} per trial, {fits:g} fit the cluster"
+    assert cfg.tune.max_concurrent_trials in (None, int(at_once[1]))  # where the step caps it, at the same number
