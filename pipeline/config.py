@@ -266,18 +266,36 @@ class DataConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe)."""
+    """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe).
+
+    The schedule peaks at the run's learning rate (``optim.lr``, or ``optim.lr_per_512`` scaled to
+    the global batch); ``warmup_lr`` and ``min_lr`` are absolute rates, not scaled, as in DeiT.
+    """
 
     name: Literal["cosine", "constant"] = "cosine"
     warmup_epochs: float = Field(5.0, ge=0.0)
-    warmup_lr: float = Field(1e-6, ge=0.0)
-    min_lr: float = Field(1e-5, ge=0.0)
+    warmup_lr: float = Field(1e-6, ge=0.0)  # the warmup rises linearly from here to the peak
+    min_lr: float = Field(1e-5, ge=0.0)  # the cosine falls from the peak to here
 
 
 class OptimConfig(_Section):
-    """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size."""
+    """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size.
 
-    lr: float = Field(5e-4, gt=0.0)
+    The learning rate is given one way: ``lr`` (absolute) or ``lr_per_512`` (per 512 images of
+    global batch, scaled to the run's batch by ``lr_scaling``); ``pipeline.lr_scaling`` computes the
+    rate a run trains at. A config whose global batch depends on the cluster (``cluster/jobs/``)
+    gives ``lr_per_512``, so changing ``scaling.num_workers`` or the micro batch needs no lr edit.
+    """
+
+    # AdamW's rate, absolute: the same whatever the global batch. null when lr_per_512 gives the
+    # rate; with neither given, DeiT's 5e-4 (pipeline.lr_scaling.DEFAULT_LR), absolute.
+    lr: float | None = Field(None, gt=0.0)
+    # DeiT's convention (5e-4 per 512): the rate at a global batch of 512 images; the run trains at
+    # this rate scaled to its global batch by lr_scaling (pipeline.lr_scaling).
+    lr_per_512: float | None = Field(None, gt=0.0)
+    # How lr_per_512 follows the global batch B: linear (x B/512, DeiT and XCiT) or sqrt (linear up
+    # to B = 1,024, where DeiT and XCiT trained, then x sqrt(B/1,024), for larger batches).
+    lr_scaling: Literal["linear", "sqrt"] = "linear"
     weight_decay: float = Field(0.05, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
@@ -289,6 +307,22 @@ class OptimConfig(_Section):
     # evaluated beside the model each epoch (val_top1_ema, ...). null: no EMA.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @model_validator(mode="after")
+    def _one_learning_rate(self) -> OptimConfig:
+        if self.lr is not None and self.lr_per_512 is not None:
+            raise ValueError(
+                f"optim.lr={self.lr:g} and optim.lr_per_512={self.lr_per_512:g} both give the learning rate; keep "
+                "one and set the other to null: optim.lr is absolute, optim.lr_per_512 is scaled to the global "
+                "batch (micro batch x accumulation x workers) by optim.lr_scaling"
+            )
+        if self.lr_per_512 is None and self.lr_scaling != "linear":
+            given = f"given absolutely (optim.lr={self.lr:g})" if self.lr is not None else "not given"
+            raise ValueError(
+                f"optim.lr_scaling={self.lr_scaling!r} scales optim.lr_per_512, which is {given}; give "
+                "optim.lr_per_512 (and optim.lr=null) for a rate that follows the global batch"
+            )
+        return self
 
     @field_validator("betas")
     @classmethod

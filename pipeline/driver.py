@@ -22,6 +22,7 @@ from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.locations import check_can_create, run_directories
+from pipeline.lr_scaling import describe_lr
 
 if TYPE_CHECKING:
     from pipeline.runs import CheckedRun, TrainingOutcome
@@ -157,6 +158,7 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)
         console.line(f"training {run.run_name}: library output in {console.log_path}")
+        console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
         with interrupts.held():  # the MLflow run is opened whole: a signal meanwhile ends it KILLED below
             tracking = open_tracking(run)
         return launch(run, tracking, launched_at)

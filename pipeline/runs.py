@@ -46,6 +46,7 @@ from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
+from pipeline.lr_scaling import describe_lr, recorded_params
 from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
@@ -279,8 +280,7 @@ def describe_run(run: CheckedRun) -> str:
             f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px. "
             f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
             f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
-            f"{cfg.deepspeed.precision}, AdamW lr {cfg.optim.lr:g}, global batch "
-            f"{cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * cfg.scaling.num_workers}.")
+            f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
 
 
 def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
@@ -299,6 +299,8 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: st
         facts=run.facts.as_params(),
         tags={**environment_tags(cfg), **run_origin(describe_run(run), source or command_line())},
     )
+    # The rate and global batch it trains at, beside the knob the config gives (optim.lr or optim.lr_per_512).
+    tracking.log_params(recorded_params(cfg.optim, cfg.scaling.num_workers))
     if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
         tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
                                "validation": (run.data.val, run.data.val_sha256)})

@@ -32,6 +32,7 @@ from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
+from pipeline.lr_scaling import effective_lr
 from pipeline.metrics import DIVERGED_KEY, Tally
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
@@ -130,7 +131,7 @@ class Trainer:
 
         # Model, optimizer, schedule, engine.
         model = build_model(cfg.model, num_classes)
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, self.world_size))
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
         self.engine, _, _, _ = deepspeed.initialize(

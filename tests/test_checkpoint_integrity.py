@@ -29,12 +29,13 @@ def engine(single_process_group):
     import deepspeed
 
     from pipeline.engine import deepspeed_config
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1"])
     model = build_model(cfg.model, num_classes=10)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
         config=deepspeed_config(cfg, 1), dist_init_required=False,

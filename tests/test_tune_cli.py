@@ -47,6 +47,23 @@ def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
     assert "did you mean 'fsne_code_size'" in capsys.readouterr().err
 
 
+def test_the_learning_rate_space_sweeps_the_per_batch_rate_over_a_config_with_an_absolute_one(tmp_path, digits16):
+    from pipeline.sweeps.runner import prepare_sweep
+
+    # The default preset gives lr 1e-3 absolutely; lr_wd's fixed optim.lr: null leaves the rate to its knob.
+    sweep = prepare_sweep("default", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                      f"data.val={digits16['val']}", "data.prepare=null"], ["lr_wd"])
+    assert len(sweep.plan.variants) == 9 and not sweep.plan.pruned
+    assert {variant["optim.lr_per_512"] for variant in sweep.plan.variants} == {2.5e-4, 5e-4, 1e-3}
+    assert sweep.base_tree["optim"]["lr"] is None
+
+
+def test_an_absolute_rate_set_over_the_learning_rate_space_exits_2_naming_both(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, "optim.lr=1e-3", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "optim.lr=0.001 and optim.lr_per_512=" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_asha_grace_period_must_leave_epochs_to_stop(tmp_path, capsys):
     args = _tune(tmp_path, None, "optim.epochs=2", "tune.grace_period=2", space="lr_wd")
     assert main(args) == EXIT_INVALID_INPUT

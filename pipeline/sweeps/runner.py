@@ -32,6 +32,7 @@ from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.locations import check_can_create, run_directories
+from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
@@ -131,11 +132,16 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
         raise SpaceError("tune.searcher=tpe needs at least one knob with more than one value")
 
 
+def base_config(config: str | None, overrides: list[str], space: SearchSpace) -> ExperimentConfig:
+    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``."""
+    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
+    return validate(apply_overrides(tree, list(overrides)))
+
+
 def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
     """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
     space = load_spaces(space_refs)
-    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
-    cfg = validate(apply_overrides(tree, list(overrides)))
+    cfg = base_config(config, overrides, space)
     _check_settings(cfg, space)
 
     # Trials run in their own working directories: every local path becomes absolute here.
@@ -349,9 +355,10 @@ def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
     """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
     cfg = sweep.cfg
     knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
+    rates = [EFFECTIVE_LR_PARAM] if set(sweep.space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
     metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
-    columns = [*(f"params.`{knob}`" for knob in knobs), *(f"metrics.`{m}`" for m in metrics), "tags.`stop_reason`",
-               "attributes.`User`"]
+    columns = [*(f"params.`{knob}`" for knob in [*knobs, *rates]), *(f"metrics.`{m}`" for m in metrics),
+               "tags.`stop_reason`", "attributes.`User`"]
     MlflowStore(parent.uri).save_view(
         parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
         order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
