@@ -91,13 +91,14 @@ def knob_keys(rows: list[TrialRow]) -> list[str]:
     return list(keys)
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A value as the tables and plots show it (4 significant digits; lists in brackets)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_cell(v) for v in value) + "]"
+        return "[" + ", ".join(cell(v) for v in value) + "]"
     return str(value)
 
 
@@ -107,9 +108,9 @@ def table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list
               *[m for m in REPORTED if m != metric], "params_M", "gflops", "reason", "mlflow_run"]
     body = []
     for row in ranked(rows, metric, mode):
-        body.append([row.trial_id or "-", row.state, *[_cell(row.knobs.get(k)) for k in keys], str(row.epochs),
-                     _cell(row.value(metric)), *[_cell(row.value(m)) for m in REPORTED if m != metric],
-                     _cell(row.params_m), _cell(row.gflops), row.reason, row.run_id])
+        body.append([row.trial_id or "-", row.state, *[cell(row.knobs.get(k)) for k in keys], str(row.epochs),
+                     cell(row.value(metric)), *[cell(row.value(m)) for m in REPORTED if m != metric],
+                     cell(row.params_m), cell(row.gflops), row.reason, row.run_id])
     return header, body
 
 
@@ -184,9 +185,9 @@ def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
     keys = list(dict.fromkeys(key for group in groups for key in group.knobs))
     header = [*short_keys(keys).values(), "n", f"{metric} mean ± sd", "min", "max",
               *[f"{m} mean" for m in REPORTED if m != metric]]
-    body = [[*[_cell(group.knobs.get(key)) for key in keys], str(group.n(metric)),
-             f"{group.mean(metric):.2f} ± {group.spread(metric):.2f}", _cell(min(group.values[metric], default=None)),
-             _cell(max(group.values[metric], default=None)), *[_cell(group.mean(m)) for m in REPORTED if m != metric]]
+    body = [[*[cell(group.knobs.get(key)) for key in keys], str(group.n(metric)),
+             f"{group.mean(metric):.2f} ± {group.spread(metric):.2f}", cell(min(group.values[metric], default=None)),
+             cell(max(group.values[metric], default=None)), *[cell(group.mean(m)) for m in REPORTED if m != metric]]
             for group in groups]
     return _aligned(header, body)
 
@@ -243,7 +244,7 @@ def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, lo
         if key == SEED_KEY:  # seeds are repeats: summarised as each configuration's mean ± sd below
             continue
         present = [r for r in scored if key in r.knobs]
-        labels = [_cell(r.knobs[key]) for r in present]
+        labels = [cell(r.knobs[key]) for r in present]
         if len(set(labels)) < 2:  # a constant knob says nothing
             continue
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -261,7 +262,7 @@ def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, lo
             ax.set_xticks(range(len(order)), order, rotation=30 if max(map(len, order)) > 6 else 0)
         _scatter_states(ax, [(x, r.value(metric), r.state) for x, r in zip(positions, present)])
         for index, group in enumerate(g for g in groups if key in g.knobs):
-            x = positions[labels.index(_cell(group.knobs[key]))]
+            x = positions[labels.index(cell(group.knobs[key]))]
             ax.errorbar([x], [group.mean(metric)], yerr=[group.spread(metric)], fmt="D", color="C3", capsize=6,
                         label=f"mean ± sd over seeds (n = {group.n(metric)})" if index == 0 else None)
         written.append(_finish(fig, ax, key, metric, directory / f"{metric}_vs_{name}.png"))
