@@ -7,7 +7,6 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config import load_config
-from pipeline.sweeps.report import pareto_front
 from pipeline.sweeps.runner import RECORD_NAME, TrialResources, concurrent_trials
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
 from pipeline.tracking import MlflowStore
@@ -117,12 +116,6 @@ def test_one_trials_resources_read_in_the_singular_where_there_is_one():
 # Results table
 # --------------------------------------------------------------------------------------------------
 
-def test_pareto_front_keeps_trials_no_cheaper_trial_beats():
-    points = [(1.0, 50.0), (2.0, 40.0), (2.0, 70.0), (3.0, 60.0), (4.0, 80.0)]
-    assert pareto_front(points, "max") == [(1.0, 50.0), (2.0, 70.0), (4.0, 80.0)]
-    assert pareto_front([(1.0, 0.5), (2.0, 0.7), (3.0, 0.2)], "min") == [(1.0, 0.5), (3.0, 0.2)]
-
-
 def _fake_sweep(storage) -> MlflowClient:
     """A finished sweep as `vitsweep tune` records it: a parent and three children."""
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
@@ -175,29 +168,6 @@ def test_sweep_record_round_trips_on_a_local_path_and_a_uri(tmp_path):
     assert read_text(str(tmp_path / "a" / "record.json")) == "local"
     assert read_text(f"file://{tmp_path}/b/record.json") == "uri"
     assert read_text(f"file://{tmp_path}/missing.json") is None
-
-
-def test_plots_cover_each_knob_and_the_cost_pareto_front(tmp_path):
-    from pipeline.sweeps.report import TrialRow, plot_sweep
-
-    knobs = [{"model.args.channel_schedule": "linear", "model.args.mha_ratio_range.0": 0.25},
-             {"model.args.channel_schedule": "decreasing"}, {"model.args.channel_schedule": "increasing"}]
-    rows = [TrialRow(f"t{i}", f"r{i}", state, "", knobs[i], 3, {"val_top1": top1}, params, 0.01 * params)
-            for i, (state, top1, params) in enumerate([("completed", 70.0, 1.0), ("completed", 80.0, 2.0),
-                                                       ("early_stopped", 20.0, 1.5)])]
-    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
-    # mha_ratio_range.0 applies to one trial only: one point plots nothing
-    assert sorted(p.name for p in written) == ["val_top1_vs_channel_schedule.png", "val_top1_vs_params_and_gflops.png"]
-    assert all(p.stat().st_size > 1000 for p in written)
-
-
-def test_no_plot_is_drawn_for_a_knob_or_a_size_that_does_not_vary(tmp_path):
-    from pipeline.sweeps.report import TrialRow, plot_sweep
-
-    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"optim.lr": lr, "model.args.depth": 2}, 3,
-                     {"val_top1": top1}, 0.9, 0.003) for i, (lr, top1) in enumerate([(1e-3, 70.0), (2e-3, 80.0)])]
-    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
-    assert [p.name for p in written] == ["val_top1_vs_lr.png"]
 
 
 def test_seeds_are_summarised_per_configuration_as_mean_spread_and_n(tmp_path):

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 
@@ -127,22 +125,3 @@ def _why_none(found: KnobImportance, names: dict[str, str]) -> str:
         return "no knob varies over the completed trials"
     return (f"too few trials to say ({found.configurations} configurations; fANOVA needs at least {found.needed}: "
             f"{CONFIGURATIONS_PER_KNOB} per knob, at least {MIN_CONFIGURATIONS})")
-
-
-def plot_importance(found: KnobImportance, path: Path) -> Path | None:
-    """A horizontal bar per assessed knob, most important on top; nothing when none were assessed."""
-    if not found.assessed:
-        return None
-    names = short_keys(found.importances)
-    keys = list(found.importances)[::-1]
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(keys)))
-    ax.barh([names[key] for key in keys], [found.importances[key] for key in keys], color="C0")
-    for y, key in enumerate(keys):
-        ax.text(found.importances[key] + 0.01, y, f"{found.importances[key]:.2f}", va="center", fontsize="small")
-    ax.set_xlim(0, 1.1)
-    ax.set_xlabel(f"share of {found.metric}'s variance explained (fANOVA, {found.configurations} configurations)")
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -1,8 +1,7 @@
-"""A sweep's results: one row per trial from MLflow, as CSV, a terminal table and plots.
+"""A sweep's results: one row per trial from MLflow, as CSV and a terminal table.
 
-The same rows feed the parent run's ``results.csv`` and `vitsweep compare`. Plots (matplotlib,
-Agg): the metric against each searched knob, and the metric against parameters and GFLOPs with
-the Pareto front of the trials that trained every epoch.
+The same rows feed the parent run's ``results.csv``, `vitsweep compare`, the plots (``plots``)
+and the knob importances (``importance``).
 """
 from __future__ import annotations
 
@@ -11,18 +10,11 @@ import io
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
-
-from pipeline.sweeps.spaces import short_keys  # noqa: E402
-from pipeline.sweeps.tracking import (COMPLETED, EARLY_STOPPED, KNOBS_TAG, PRUNED, STOP_REASON_TAG,  # noqa: E402
-                                      TRIAL_TAG, child_runs)
-from pipeline.tracking import MlflowRun  # noqa: E402
+from pipeline.sweeps.spaces import short_keys
+from pipeline.sweeps.tracking import COMPLETED, KNOBS_TAG, PRUNED, STOP_REASON_TAG, TRIAL_TAG, child_runs
+from pipeline.tracking import MlflowRun
 
 REPORTED = ("val_top1", "val_top5", "val_loss", "train_loss")
 
@@ -190,98 +182,3 @@ def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
              cell(max(group.values[metric], default=None)), *[cell(group.mean(m)) for m in REPORTED if m != metric]]
             for group in groups]
     return _aligned(header, body)
-
-
-# --------------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------------
-
-def pareto_front(points: list[tuple[float, float]], mode: str) -> list[tuple[float, float]]:
-    """(cost, metric) points no other point beats with less or equal cost, sorted by cost."""
-    better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)  # noqa: E731
-    front: list[tuple[float, float]] = []
-    for cost, value in sorted(points, key=lambda p: (p[0], -p[1] if mode == "max" else p[1])):
-        if not front or better(value, front[-1][1]):
-            front.append((cost, value))
-    return front
-
-
-def _numeric(values: list[Any]) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
-def _scatter_states(ax, points: list[tuple[Any, float, str]]) -> None:
-    styles = {COMPLETED: dict(color="C0", label="completed"),
-              EARLY_STOPPED: dict(color="C7", marker="x", label="stopped early")}
-    for state, style in styles.items():
-        chosen = [(x, y) for x, y, s in points if s == state]
-        if chosen:
-            ax.scatter(*zip(*chosen), s=36, **style)
-
-
-def _finish(fig, ax, xlabel: str, metric: str, path: Path) -> Path:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"{metric} (last epoch)")
-    ax.ticklabel_format(axis="y", useOffset=False)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, log_keys: set[str],
-               discrete_keys: set[str] = frozenset()) -> list[Path]:
-    """The metric against each knob that varies (a categorical axis for a discrete or non-numeric
-    knob), and against parameters and GFLOPs with the Pareto front where the trials differ in size."""
-    directory.mkdir(parents=True, exist_ok=True)
-    scored = [r for r in rows if not math.isnan(r.value(metric))]
-    written = []
-    names = short_keys(knob_keys(scored))
-    groups = seed_groups(scored) if has_seeds(scored) else []
-    for key, name in names.items():
-        if key == SEED_KEY:  # seeds are repeats: summarised as each configuration's mean ± sd below
-            continue
-        present = [r for r in scored if key in r.knobs]
-        labels = [cell(r.knobs[key]) for r in present]
-        if len(set(labels)) < 2:  # a constant knob says nothing
-            continue
-        fig, ax = plt.subplots(figsize=(8, 5))
-        values = [r.knobs[key] for r in present]
-        if _numeric(values) and key not in discrete_keys:
-            positions = values
-            if key in log_keys:
-                ax.set_xscale("log")
-            else:
-                ax.ticklabel_format(axis="x", useOffset=False)
-        else:
-            order = sorted(set(labels), key=lambda label: values[labels.index(label)]) if _numeric(values) \
-                else list(dict.fromkeys(labels))
-            positions = [order.index(label) for label in labels]
-            ax.set_xticks(range(len(order)), order, rotation=30 if max(map(len, order)) > 6 else 0)
-        _scatter_states(ax, [(x, r.value(metric), r.state) for x, r in zip(positions, present)])
-        for index, group in enumerate(g for g in groups if key in g.knobs):
-            x = positions[labels.index(cell(group.knobs[key]))]
-            ax.errorbar([x], [group.mean(metric)], yerr=[group.spread(metric)], fmt="D", color="C3", capsize=6,
-                        label=f"mean ± sd over seeds (n = {group.n(metric)})" if index == 0 else None)
-        written.append(_finish(fig, ax, key, metric, directory / f"{metric}_vs_{name}.png"))
-
-    sizes = [(r.params_m, r.gflops) for r in scored if r.params_m and r.gflops]
-    if len(set(sizes)) < 2:  # every trial the same size: no trade-off to draw
-        return written
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    for ax, (cost, label) in zip(axes, [("params_m", "parameters (M)"), ("gflops", "GFLOPs")]):
-        _scatter_states(ax, [(getattr(r, cost), r.value(metric), r.state) for r in scored if getattr(r, cost)])
-        front = pareto_front([(getattr(r, cost), r.value(metric)) for r in scored
-                              if r.state == COMPLETED and getattr(r, cost)], mode)
-        if len(front) > 1:
-            ax.step(*zip(*front), where="post", color="C3", label="Pareto front")
-        ax.ticklabel_format(axis="x", useOffset=False)
-        if ax is not axes[-1]:
-            ax.set_xlabel(label)
-            ax.set_ylabel(f"{metric} (last epoch)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
-    written.append(_finish(fig, axes[-1], "GFLOPs", metric, directory / f"{metric}_vs_params_and_gflops.png"))
-    return written

@@ -39,7 +39,7 @@ from pipeline.driver import start_ray
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import InvalidInputError
 from pipeline.runs import ResolvedData, resolve_data
-from pipeline.sweeps import report
+from pipeline.sweeps import plots, report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
@@ -418,7 +418,7 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
         discrete_keys = {d.key for d in sweep.space.dims if d.kind in ("values", "randint")}
-        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys):
+        for path in plots.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys):
             parent.log_artifact(path, "plots")
     # Counters are tags: as metrics the UI would chart each as a one-bar plot ahead of the metric.
     counts = {f"trials_{state}": str(sum(r.state == state for r in all_rows)) for state in TRIAL_STATES}
