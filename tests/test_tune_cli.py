@@ -1,4 +1,5 @@
 """`vitsweep tune` / `compare` without Ray: bad input exits 2 before anything runs; the results table."""
+import itertools
 import json
 
 import pytest
@@ -152,6 +153,26 @@ def test_compare_csv_has_one_row_per_trial_and_pruned_sample(tmp_path, capsys):
     assert main(["compare", "vitsweep", "--csv", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("trial,state,lr,epochs,val_top1") and len(lines) == 1 + 4
+
+
+def test_compare_prints_which_knob_mattered_under_the_table(tmp_path, capsys):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = MlflowStore(client.tracking_uri).experiment_id("vitsweep")
+    parent = client.create_run(experiment, run_name="grid", tags={ROLE_TAG: "sweep"}).info.run_id
+    client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
+                                     Param("tune.searcher", "grid")])
+    space = "params:\n  model.args.code_size: {values: [8, 16, 32]}\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n"
+    client.log_text(parent, json.dumps({"spaces": [["grid", "grid.yaml", space]], "pruned": []}), RECORD_NAME)
+    for i, (code_size, lr) in enumerate(itertools.product([8, 16, 32], [1e-3, 2e-3, 3e-3])):
+        run = client.create_run(experiment, run_name=f"t{i}", tags={
+            PARENT_TAG: parent, TRIAL_TAG: f"t{i}", STOP_REASON_TAG: "completed",
+            KNOBS_TAG: json.dumps({"model.args.code_size": code_size, "optim.lr": lr})})
+        client.log_metric(run.info.run_id, "val_top1", 50.0 + code_size + 100 * lr, step=3)  # code size drives it
+    assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    out = capsys.readouterr().out
+    table, importances = out.split("\n\nknob importance for val_top1 (fANOVA over 9 configurations; shares sum to 1):\n")
+    assert len(table.splitlines()) == 1 + 2 + 9
+    assert [line.split()[0] for line in importances.splitlines()] == ["code_size", "lr"]
 
 
 def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_path, capsys):

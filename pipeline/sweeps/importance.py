@@ -102,14 +102,14 @@ def knob_importance(rows: list[TrialRow], metric: str, dims: tuple[Dimension, ..
                           needed, varying, not_assessed)
 
 
-def format_importance(found: KnobImportance) -> str:
-    """The console's lines: one per knob with its share and a bar, then the knobs not assessed."""
+def format_importance(found: KnobImportance, bars: bool = True) -> str:
+    """The console's lines: one per knob with its share (and a bar), then the knobs not assessed."""
     names = short_keys([*found.varying, *found.not_assessed])
     if found.assessed:
         head = (f"knob importance for {found.metric} (fANOVA over {found.configurations} configurations; "
                 "shares sum to 1):")
         width = max(len(names[key]) for key in found.varying)
-        lines = [f"  {names[key].ljust(width)}  {share:.2f}  {'#' * round(40 * share)}".rstrip()
+        lines = [f"  {names[key].ljust(width)}  {share:.2f}  {'#' * round(40 * share) if bars else ''}".rstrip()
                  for key, share in found.importances.items()]
     else:
         head = f"knob importance for {found.metric}: {_why_none(found, names)}"

@@ -171,7 +171,7 @@ def seed_groups(rows: list[TrialRow]) -> list[SeedGroup]:
     return list(groups.values())
 
 
-def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
+def seed_table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list[list[str]]]:
     """One line per configuration: its knobs, n seeds, the metric's mean ± standard deviation and range, best first."""
     groups = sorted(seed_groups(rows), key=lambda g: -g.mean(metric) if mode == "max" else g.mean(metric))
     keys = list(dict.fromkeys(key for group in groups for key in group.knobs))
@@ -181,4 +181,8 @@ def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
              f"{group.mean(metric):.2f} ± {group.spread(metric):.2f}", cell(min(group.values[metric], default=None)),
              cell(max(group.values[metric], default=None)), *[cell(group.mean(m)) for m in REPORTED if m != metric]]
             for group in groups]
-    return _aligned(header, body)
+    return header, body
+
+
+def format_seed_table(rows: list[TrialRow], metric: str, mode: str) -> str:
+    return _aligned(*seed_table(rows, metric, mode))
