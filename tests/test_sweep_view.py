@@ -6,7 +6,7 @@ import pytest
 from mlflow.utils.validation import MAX_EXPERIMENT_TAG_VAL_LENGTH
 
 from pipeline.sweeps.spaces import available_spaces, load_space, load_spaces
-from pipeline.sweeps.view import MODEL_METRICS, SYSTEM_METRICS, sweep_view
+from pipeline.sweeps.view import MODEL_METRICS, sweep_view
 
 
 def _cards(state: dict, kind: str) -> list[dict]:
@@ -22,7 +22,8 @@ def test_the_parallel_coordinates_chart_runs_from_every_knob_into_the_metric():
     (parallel,) = _cards(state, "PARALLEL")
     assert parallel["selectedParams"] == ["code_size", "match_baseline_params"] and parallel["selectedMetrics"] == ["val_top1"]
     assert parallel["showAllRuns"] and parallel["runsCountToCompare"] == 8
-    assert _section(state, parallel) == "val_top1 by knob"
+    assert _section(state, parallel) == "val_top1 across the knobs"
+    assert state["compareRunSections"][0]["columns"] == 1  # the page's width: one axis per knob
 
 
 def test_the_metric_is_plotted_against_each_knob():
@@ -30,16 +31,17 @@ def test_the_metric_is_plotted_against_each_knob():
     scatters = _cards(state, "SCATTER")
     assert [(c["xaxis"], c["yaxis"]) for c in scatters] == [
         ({"key": knob, "type": "PARAM"}, {"key": "val_loss", "type": "METRIC"}) for knob in ("code_size", "match_baseline_params")]
-    assert {_section(state, card) for card in scatters} == {"val_loss by knob"}
+    assert {_section(state, card) for card in scatters} == {"val_loss against each knob"}
 
 
-def test_the_metric_and_the_training_loss_per_epoch_come_next_then_the_uis_own_sections():
+def test_the_metric_and_the_training_loss_per_epoch_come_next_then_the_uis_own_section():
     state = sweep_view(load_space("lr_wd"), "val_top1", "max", "parent", trials=10)
     lines = _cards(state, "LINE")
     assert [(c["metricKey"], c["xAxisKey"]) for c in lines] == [("val_top1", "step"), ("train_loss", "step")]
     assert {_section(state, card) for card in lines} == {"per epoch"}
-    assert [s["name"] for s in state["compareRunSections"]] == ["val_top1 by knob", "per epoch", MODEL_METRICS,
-                                                                SYSTEM_METRICS]
+    # the UI appends the trials' system metrics (system/node0/...) in their own section below these
+    assert [s["name"] for s in state["compareRunSections"]] == [
+        "val_top1 across the knobs", "val_top1 against each knob", "per epoch", MODEL_METRICS]
     assert state["isAccordionReordered"] and state["runsHiddenMode"] == "SHOW_ALL"
 
 

@@ -6,15 +6,16 @@ in MLflow's ``experiment-page/models``): the table's columns and, for the chart 
 cards (``compareRunCharts``: ``RunsChartsCardConfig`` objects of ``runs-charts.types.ts``, one
 section each) and their sections (``compareRunSections``). A view holding charts opens with them
 instead of the UI's generated ones; the UI then only adds cards for metrics no card shows yet, in
-the sections named after them ("Model metrics", "System metrics"), which stay below ours
-(``isAccordionReordered``: the order given here is kept).
+the sections named after them ("Model metrics"; a trial's system metrics are ``system/node<rank>/...``,
+so "system/node0"), appended below ours (``isAccordionReordered``: the order given here is kept).
 
 The sweep's charts, the first thing its chart view shows:
-- "<metric> by knob": a parallel-coordinates chart of every knob that applies to every trial into
-  the metric (a line per trial, coloured by the metric), then the metric against each knob (a
-  scatter: Plotly makes a numeric knob's axis numeric and a choice of names one category per value);
+- "<metric> across the knobs": a parallel-coordinates chart, the page's width, of every knob that
+  applies to every trial into the metric (a line per trial, coloured by the metric);
+- "<metric> against each knob": a scatter per knob (Plotly makes a numeric knob's axis numeric and a
+  choice of names one category per value);
 - "per epoch": the metric and the training loss per epoch, a line per trial;
-- the UI's own "Model metrics" (the other metrics) and "System metrics" (CPU, memory, GPU) below.
+- the UI's own "Model metrics" (the other metrics), then the system metrics (CPU, memory, GPU) below.
 The run seed is a repeat, not a knob: it gets a table column but no chart.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pipeline.sweeps.report import REPORTED, SEED_KEY
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import PARENT_TAG
 
-MODEL_METRICS, SYSTEM_METRICS = "Model metrics", "System metrics"  # the UI's own section names
+MODEL_METRICS = "Model metrics"  # the UI's own section of the metrics without a "section/" prefix
 TRAIN_LOSS = "train_loss"
 
 
@@ -51,20 +52,21 @@ def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
     params = param_names(space)
     knobs = [dim for dim in space.dims if dim.key != SEED_KEY]
     everywhere = [dim for dim in knobs if not dim.when] or knobs  # a line needs a value on every axis
-    by_knob, per_epoch = "vitsweep-by-knob", "vitsweep-per-epoch"
-    cards = [_card("PARALLEL", "vitsweep-parallel", by_knob, trials, selectedParams=[params[d.key] for d in everywhere],
+    across, against, per_epoch = "vitsweep-across-knobs", "vitsweep-against-each-knob", "vitsweep-per-epoch"
+    cards = [_card("PARALLEL", "vitsweep-parallel", across, trials, selectedParams=[params[d.key] for d in everywhere],
                    selectedMetrics=[metric], showAllRuns=True)]
-    cards += [_card("SCATTER", f"vitsweep-scatter-{params[dim.key]}", by_knob, trials,
+    cards += [_card("SCATTER", f"vitsweep-scatter-{params[dim.key]}", against, trials,
                     xaxis={"key": params[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
               for dim in knobs]
     cards += [_line(f"vitsweep-line-{name}", per_epoch, trials, name) for name in dict.fromkeys([metric, TRAIN_LOSS])]
-    sections = [(by_knob, f"{metric} by knob"), (per_epoch, "per epoch"),
-                ("vitsweep-model-metrics", MODEL_METRICS), ("vitsweep-system-metrics", SYSTEM_METRICS)]
+    # (uuid, name, cards per row): the parallel chart gets the whole width, one axis per knob
+    sections = [(across, f"{metric} across the knobs", 1), (against, f"{metric} against each knob", 3),
+                (per_epoch, "per epoch", 2), ("vitsweep-model-metrics", MODEL_METRICS, 3)]
     return {
         "compareRunCharts": cards,
         "compareRunSections": [{"uuid": uuid, "name": name, "display": True, "isReordered": False, "deleted": False,
-                                "isGenerated": False} for uuid, name in sections],
-        "isAccordionReordered": True,  # keep these sections in this order
+                                "isGenerated": False, "columns": columns} for uuid, name, columns in sections],
+        "isAccordionReordered": True,  # keep these sections in this order; the UI adds system metrics' below
         "runsHiddenMode": "SHOW_ALL",  # the UI charts only its first 10 runs otherwise
     }
 
