@@ -1,6 +1,8 @@
 """`vitsweep tune` / `compare` without Ray: bad input exits 2 before anything runs; the results table."""
 import itertools
 import json
+import re
+from pathlib import Path
 
 import pytest
 from mlflow.entities import Metric, Param
@@ -173,6 +175,10 @@ def test_compare_prints_which_knob_mattered_under_the_table(tmp_path, capsys):
     table, importances = out.split("\n\nknob importance for val_top1 (fANOVA over 9 configurations; shares sum to 1):\n")
     assert len(table.splitlines()) == 1 + 2 + 9
     assert [line.split()[0] for line in importances.splitlines()] == ["code_size", "lr"]
+    # the README shows this sweep's importances as `vitsweep compare` prints them
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    shown = re.search(r"```\n(knob importance for val_top1 \(fANOVA over 9 [^`]*)```", readme).group(1)
+    assert out.endswith(shown)
 
 
 def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_path, capsys):
