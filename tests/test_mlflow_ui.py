@@ -1,6 +1,7 @@
 """MLflow's UI (3.17, a real `mlflow server` on loopback) in headless Chromium, opened by the links
 vitsweep gives: a training run and a sweep's trials read as model-training runs (the runs table, not
-the GenAI "Overview"), with the sweep's knobs as columns and on the compare page.
+the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the sweep's chart
+view drawn as its saved view configures it; its summary page on the parent run.
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
@@ -14,11 +15,13 @@ from mlflow import MlflowClient
 from conftest import mlflow_server, run_vitsweep, train_command
 from pipeline.tracking import ui_compare_link, ui_link
 from test_tune_e2e import tune_command
-from webdriver import NO_ASSISTANT_PANEL, Browser
+from webdriver import NO_ASSISTANT_PANEL, PARALLEL_COORDINATES_JS, Browser
 
 pytestmark = pytest.mark.slow
 
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
+SUMMARY_LINK = re.compile(r"the sweep's result on one page: (http://127\.0\.0\.1:5000/\S+)")
+CHART_VIEW = "input[name=runs-view-mode][value=CHART]"  # the runs page's table / chart / artifacts switch
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,8 @@ def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
     sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
                                       "tune.scheduler=fifo"), timeout=1200)
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
-    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
+    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1),
+             "summary": SUMMARY_LINK.search(sweep.stdout).group(1)}
     return storage, links
 
 
@@ -110,3 +114,36 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.screenshot(screenshots / "sweep_compare.png")
     text = browser.facts()["text"]
     assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
+
+
+def test_the_sweeps_chart_view_draws_a_parallel_coordinates_line_per_trial(server, store, runs, browser, screenshots):
+    _, _, _, trials = runs
+    browser.open(_printed(store, "sweep", server))
+    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.click(CHART_VIEW)  # then nothing else: the saved view holds the charts
+    browser.wait_for_text("val_top1 across the knobs", "Parallel Coordinates", "val_top1 against each knob",
+                          "qkv vs. val_top1", "per epoch", "train_loss", "system/node0")
+    drawn = wait_for(lambda: browser.script(PARALLEL_COORDINATES_JS), 60, "the parallel-coordinates chart")
+    browser.screenshot(screenshots / "sweep_charts.png")
+    assert drawn["axes"] == ["qkv", "val_top1"]
+    # the trials differ in qkv and in val_top1: one line each leaves the knob's axis and reaches the metric's
+    assert drawn["leaving_first_axis"] == drawn["reaching_last_axis"] == len(trials) == 2
+    text = browser.facts()["text"]
+    assert text.index("per epoch") < text.index("Model metrics") < text.index("system/node0")
+
+
+def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, runs, browser, screenshots):
+    _, _, sweep, _ = runs
+    browser.open(_printed(store, "summary", server))
+    browser.wait_for_text("qkv-sweep", "summary.html")
+    page = wait_for(lambda: browser.in_frame("iframe.mlflow-html-iframe", SUMMARY_PAGE_JS), 60, "summary.html drawn")
+    browser.screenshot(screenshots / "sweep_summary.png")
+    assert "Sweep qkv-sweep (finished)" in page["text"] and sweep.data.tags["best_trial_id"] in page["text"]
+    assert "knob importance for val_top1: only qkv varies: nothing to rank it against" in page["text"]
+    assert page["images"] and all(width > 0 for width in page["images"])  # the plots, embedded and decoded
+
+
+SUMMARY_PAGE_JS = """
+if (!document.body || !document.body.innerText.includes('Which knob mattered')) return null;
+return {text: document.body.innerText, images: [...document.images].map(image => image.naturalWidth)};
+"""

@@ -68,6 +68,7 @@ def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
     storage, result = asha_sweep
     _, _, children = _runs(storage)
     assert "sweep asha (finished)" in result.stdout
+    assert "knob importance for val_top1: only lr_per_512 varies: nothing to rank it against" in result.stdout
     assert all(trial_id in result.stdout for trial_id in children)
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout
 
@@ -164,7 +165,8 @@ def test_parent_holds_the_results_table_and_plots(asha_sweep):
     storage = asha_sweep[0]
     client, (parent,), children = _runs(storage)
     run_id = parent.info.run_id
-    assert {"results.csv", "space.yaml", "base_config.yaml"} <= {a.path for a in client.list_artifacts(run_id)}
+    assert {"results.csv", "space.yaml", "base_config.yaml", "summary.html"} <= {
+        a.path for a in client.list_artifacts(run_id)}
     # every trial has the same size: the rate plot, and no cost plot
     assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/val_top1_vs_lr_per_512.png"}
     rows = list(csv.DictReader(io.StringIO(_download(client, run_id, "results.csv", storage))))

@@ -32,16 +32,14 @@ from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.locations import check_can_create, run_directories
-from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.runs import ResolvedData, resolve_data
-from pipeline.sweeps import report
+from pipeline.sweeps import importance, plots, report, summary, view
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
-from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
+from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
                                        growth_notice, local_ray_cpus, start_timeout_s)
-from pipeline.sweeps.spaces import short_keys
-from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, PARENT_TAG, TRIAL_STATES, TrialRecorder,
+from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
@@ -252,6 +250,7 @@ class SweepOutcome:
     interrupted: bool
     table: str
     best: report.TrialRow | None
+    knob_importance: importance.KnobImportance
 
 
 def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
@@ -295,7 +294,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
                           RECORD_NAME: sweep.record()})
-        save_sweep_view(sweep, parent)
+        save_sweep_view(sweep, parent, _sweep_params(sweep, max_concurrent)["trials_planned"])
     console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
                  f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
                  f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
@@ -347,25 +346,34 @@ def describe_sweep(sweep: Sweep) -> str:
             f"{cfg.model.name}, {cfg.optim.epochs} epochs each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
 
 
+def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance) -> str:
+    """The parent run's description once the sweep ends: what it was, its best trial, which knob mattered."""
+    metric = sweep.cfg.tune.metric
+    if best is None:
+        outcome = "No trial trained every epoch."
+    else:
+        knobs = ", ".join(f"{name}={report.cell(best.knobs[key])}" for key, name in short_keys(best.knobs).items())
+        outcome = f"Best: trial `{best.trial_id}`, {metric} **{report.cell(best.value(metric))}** ({knobs})."
+    lines = importance.format_importance(found, bars=False).splitlines()
+    return (f"{describe_sweep(sweep)}\n\n{outcome}\n\n{lines[0]}\n\n" + "".join(f"- {line.strip()}\n" for line in lines[1:])
+            + f"\nThe whole result on one page: Artifacts, `{summary.SUMMARY_NAME}`.")
+
+
 def view_key(sweep: Sweep) -> str:
     return f"vitsweep-{sweep.name}"
 
 
-def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
-    """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
+def save_sweep_view(sweep: Sweep, parent: MlflowRun, trials: int) -> None:
+    """The runs page as a researcher wants it for this sweep: its trials, a column per knob, the
+    metrics, and the chart view's knob and per-epoch charts (``view``)."""
     cfg = sweep.cfg
-    knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
-    rates = [EFFECTIVE_LR_PARAM] if set(sweep.space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
-    metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
-    columns = [*(f"params.`{knob}`" for knob in [*knobs, *rates]), *(f"metrics.`{m}`" for m in metrics),
-               "tags.`stop_reason`", "attributes.`User`"]
-    MlflowStore(parent.uri).save_view(
-        parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
-        order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
+    state = view.sweep_view(sweep.space, cfg.tune.metric, cfg.tune.mode, parent.run_id, trials)
+    MlflowStore(parent.uri).save_view(parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", state)
 
 
 def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
-    """Record the outcome on the parent run: best trial, results.csv, pruned.csv, plots."""
+    """Record the outcome on the parent run: best trial, knob importances, results.csv, pruned.csv,
+    plots, and all of it on one page (summary.html); the description says the result."""
     cfg = sweep.cfg
     metric, mode = cfg.tune.metric, cfg.tune.mode
     # Tune answers Ctrl-C by returning early: a trial whose run is still open did not end.
@@ -376,6 +384,7 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     rows = report.sweep_rows(parent, metric)
     all_rows = rows + report.pruned_rows(pruned)
     best = report.best_row(rows, metric, mode)
+    found = importance.knob_importance(rows, metric, sweep.space.dims, cfg.tune.searcher)
 
     files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
     if pruned:
@@ -384,12 +393,21 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
         discrete_keys = {d.key for d in sweep.space.dims if d.kind in ("values", "randint")}
-        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys):
+        written = plots.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys)
+        bars = plots.importance_figure(found)
+        bars_path = plots.save(bars, Path(directory) / f"{metric}_importance.png") if bars else None
+        for path in [*written, *([bars_path] if bars_path else [])]:
             parent.log_artifact(path, "plots")
+        state = "interrupted" if interrupted else "finished"
+        parent.log_texts({summary.SUMMARY_NAME: summary.summary_html(
+            sweep.name, state, describe_sweep(sweep), all_rows, metric, mode, best, found, bars_path, written)})
+    if found.assessed:
+        names = short_keys(found.importances)
+        parent.log_metrics({f"importance/{names[key]}": share for key, share in found.importances.items()})
     # Counters are tags: as metrics the UI would chart each as a one-bar plot ahead of the metric.
     counts = {f"trials_{state}": str(sum(r.state == state for r in all_rows)) for state in TRIAL_STATES}
     counts.update(trials_total=str(len(all_rows)), trial_epochs=str(sum(r.epochs for r in rows)))
-    parent.set_tags(counts)
+    parent.set_tags({**counts, "mlflow.note.content": describe_result(sweep, best, found)})
     if best:
         parent.log_metrics({f"best_{metric}": best.value(metric)})
         parent.set_tags({"best_trial_id": best.trial_id, "best_run_id": best.run_id, "best_knobs": json.dumps(best.knobs)})
@@ -398,4 +416,4 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     if report.has_seeds(rows):
         table = f"per configuration, over seeds:\n{report.format_seed_table(rows, metric, mode)}\n\nper trial:\n{table}"
     return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.get().info.experiment_id, parent.run_id,
-                        view_key(sweep), interrupted, table, best)
+                        view_key(sweep), interrupted, table, best, found)
