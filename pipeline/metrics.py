@@ -1,10 +1,12 @@
-"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once."""
+"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once; the
+validation pass that fills them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
 
@@ -43,3 +45,16 @@ class Tally:
             f"{prefix}_top1": 100.0 * self.correct_top1 / n,
             f"{prefix}_top5": 100.0 * self.correct_top5 / n,
         }
+
+
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
+    exactly once across ranks."""
+    model.eval()
+    tally = Tally()
+    with torch.no_grad():
+        for images, labels, num_real in val_loader:
+            logits = model(images.to(input_dtype)).float()[:num_real]
+            labels = labels[:num_real]
+            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
+    return tally.reduced(device).means("val")
