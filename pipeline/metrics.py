@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timm.utils import distribute_bn
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
 
@@ -49,8 +50,15 @@ class Tally:
 
 def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks."""
+    exactly once across ranks.
+
+    Each rank's BatchNorm running statistics come from its own shard; they are averaged over the ranks
+    first (timm's ``train.py``, ``--dist-bn reduce``), so every rank scores the same model, the one a
+    checkpoint saves from rank 0.
+    """
     model.eval()
+    if dist.is_available() and dist.is_initialized():
+        distribute_bn(model, dist.get_world_size(), reduce=True)
     tally = Tally()
     with torch.no_grad():
         for images, labels, num_real in val_loader:

@@ -90,20 +90,50 @@ def test_evaluate_puts_the_model_in_eval_mode_and_feeds_it_the_input_dtype():
     assert seen == [(False, torch.float64)]
 
 
+def _normalised(running_mean: float) -> nn.Module:
+    """Logits through a BatchNorm whose running mean (this rank's own statistics) shifts one class."""
+    norm = nn.BatchNorm1d(NUM_CLASSES, affine=False)
+    norm.running_mean[1] = running_mean
+    return norm
+
+
+RUNNING_MEANS = {0: 0.0, 1: 4.0}  # each rank's BatchNorm saw other batches
+
+
 def _evaluate_on_rank(rank: int, world_size: int, port: int, out_dir) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        metrics = evaluate(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(metrics))
+        plain = evaluate(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
+        model = _normalised(RUNNING_MEANS[rank])
+        normalised = evaluate(model, SHARDS[rank], torch.float32, torch.device("cpu"))
+        record = {"plain": plain, "normalised": normalised, "running_mean": model.running_mean.tolist()}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
 
 
-def test_every_rank_reports_the_metrics_of_all_ranks_samples(tmp_path):
-    # Two real processes in a gloo group, each evaluating its own shard (one with more padding).
-    torch_mp.spawn(_evaluate_on_rank, args=(2, free_port(), tmp_path), nprocs=2)
-    expected = _expected(RANK0_REAL + RANK1_REAL)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two real processes in a gloo group, each evaluating its own shard (one with more padding)."""
+    out_dir = tmp_path_factory.mktemp("two-ranks")
+    torch_mp.spawn(_evaluate_on_rank, args=(2, free_port(), out_dir), nprocs=2)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_every_rank_reports_the_metrics_of_all_ranks_samples(two_ranks):
+    # What one process reports over both shards (checked by hand above) is what each rank reports.
+    single = evaluate(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
     for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == pytest.approx(expected), rank
-    assert _expected(RANK0_REAL)["val_top1"] != expected["val_top1"]  # a rank's own accuracy would differ
+        assert two_ranks[rank]["plain"] == pytest.approx(single) == _expected(RANK0_REAL + RANK1_REAL), rank
+    assert _expected(RANK0_REAL)["val_top1"] != single["val_top1"]  # a rank's own accuracy would differ
+
+
+def test_every_rank_evaluates_one_model_with_batchnorm_statistics_averaged_over_ranks(two_ranks):
+    # As timm's train.py does (--dist-bn reduce): the model every rank scores is the one rank 0 saves.
+    average = _normalised(sum(RUNNING_MEANS.values()) / 2)
+    single = evaluate(average, SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
+    for rank in range(2):
+        assert two_ranks[rank]["running_mean"] == average.running_mean.tolist(), rank
+        assert two_ranks[rank]["normalised"] == pytest.approx(single), rank
+    assert single != pytest.approx(two_ranks[0]["plain"])  # the statistics matter to these metrics
