@@ -27,7 +27,7 @@ def _ranked(label: int, rank: int) -> list[float]:
 
 
 # (label, rank of the label among the logits); padding rows are real-looking hits, so counting them shows.
-RANK0_REAL = [(0, 0), (1, 3), (2, 7)]  # top-1 hit; top-5 only; neither
+RANK0_REAL = [(0, 0), (1, 4), (2, 5)]  # top-1 hit; top-5 only (the fifth); neither (the sixth)
 RANK1_REAL = [(4, 0), (6, 0), (5, 1)]  # two top-1 hits; top-5 only
 PADDING = (3, 0)
 
@@ -71,6 +71,12 @@ def test_fewer_than_five_classes_count_top5_over_all_of_them():
     tally = Tally()
     tally.add(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), torch.tensor([0, 0]), torch.zeros(2))
     assert (tally.correct_top1, tally.correct_top5) == (1, 2)
+
+
+def test_a_single_samples_metrics_are_its_own():
+    tally = Tally()
+    tally.add(torch.tensor([_ranked(7, 0)]), torch.tensor([7]), torch.tensor([0.25]))
+    assert tally.means("val") == {"val_loss": 0.25, "val_top1": 100.0, "val_top5": 100.0}
 
 
 def test_an_empty_tally_reports_zeros_rather_than_dividing_by_zero():

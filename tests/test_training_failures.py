@@ -106,3 +106,12 @@ def test_checkpoint_loading_accepts_deepspeed_zero_optimizer_state(tmp_path):
     torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients, "w": torch.ones(2)}, path)
     loaded = weights_only_checkpoint_engine().load(str(path))
     assert loaded["zero_stage"] == ZeroStageEnum.gradients and torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_a_failed_runs_stop_reason_is_the_last_line_of_the_workers_error():
+    from pipeline.runs import error_line
+
+    wrapped = RuntimeError("Training failed due to worker errors:\n[Rank 1]\nTraceback (most recent call last):\n"
+                           '  File "worker.py", line 3, in fit\nOSError: [Errno 28] No space left on device\n\n')
+    assert error_line(wrapped) == "OSError: [Errno 28] No space left on device"
+    assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"  # no message: its type names it
