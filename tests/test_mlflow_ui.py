@@ -25,14 +25,21 @@ pytestmark = pytest.mark.slow
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
+AUTOMATIC_NAME = re.compile(r"^training (xcit_nano_12_p8-\d{8}-\d{6}): ", re.M)  # `<model>-<time>`
+# The demo's config (`make demo`: the default preset) on the suite's 16 px digits, 3 of its 6 epochs: the
+# fewest after which it has learnt (2 epochs: 64 %, all warmup and one cosine step; 3 epochs: 87.5 %).
+# Chance is 10 %: a loader pairing images with the wrong labels, or a model that does not train, stays near it.
+DEMO_EPOCHS, DEMO_FLOOR = 3, 70.0
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
-    """A store holding what a user has after `make demo` and a small sweep: a 2-epoch training run
-    and a 2-trial grid over the QKV embedding (kept small: 2 cores); and the UI links each printed."""
+def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str], str]:
+    """A store holding what a user has after `make demo` and a small sweep: the demo's run (its config,
+    shortened) under its automatic name, and a 2-trial grid over the QKV embedding (kept small: 2 cores);
+    and the UI links each printed."""
     storage = tmp_path_factory.mktemp("ui-store")
-    demo = run_vitsweep(train_command(storage, digits16, "optim.epochs=2", "run.name=demo"))
+    demo = run_vitsweep(train_command(storage, digits16, "model.img_size=16", f"optim.epochs={DEMO_EPOCHS}",
+                                      config="default"))
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
     space = storage / "qkv.yaml"
     space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
@@ -40,17 +47,17 @@ def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
                                       "tune.scheduler=fifo"), timeout=1200)
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
     links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
-    return storage, links
+    return storage, links, AUTOMATIC_NAME.search(demo.stdout).group(1)
 
 
 @pytest.fixture(scope="module")
 def server(store) -> str:
     """`mlflow server` on a free loopback port over the store, stopped (its whole process group) after."""
-    store, _ = store
+    storage, _, _ = store
     port = free_port()
-    log = (store / "mlflow-server.log").open("w")
+    log = (storage / "mlflow-server.log").open("w")
     process = subprocess.Popen(
-        [MLFLOW, "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--host", "127.0.0.1",
+        [MLFLOW, "server", "--backend-store-uri", f"sqlite:///{storage / 'mlflow.db'}", "--host", "127.0.0.1",
          "--port", str(port), "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, env=vitsweep_env(), start_new_session=True,
     )
@@ -85,12 +92,12 @@ def _wait_until_healthy(uri: str, process: subprocess.Popen, timeout: float = 12
 @pytest.fixture(scope="module")
 def runs(store):
     """The demo run, the sweep's parent and its trials, and their experiment id."""
-    store, _ = store
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    storage, _, _ = store
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
-    [demo] = [run for run in found if run.info.run_name == "demo"]
+    [demo] = [run for run in found if role(run) is None]
     [sweep] = [run for run in found if role(run) == "sweep"]
     trials = [run for run in found if role(run) == "trial"]
     assert len(trials) == 2
@@ -125,7 +132,7 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     browser.wait_for_text("Overview", "Parameters", "val_top1")
     browser.screenshot(screenshots / "demo_run.png")
     facts = browser.facts()
-    assert facts["heading"] == "demo"
+    assert facts["heading"] == demo.info.run_name
     assert "Model registry" in facts["text"]  # the model-training sidebar
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
@@ -147,3 +154,11 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.screenshot(screenshots / "sweep_compare.png")
     text = browser.facts()["text"]
     assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
+
+
+def test_the_demo_run_is_named_automatically_and_learns_the_digits(store, runs):
+    storage, _, name = store
+    _, demo, _, _ = runs
+    assert demo.info.run_name == name and (storage / name / "vitsweep.log").is_file()
+    assert demo.data.params["model.name"] == "xcit_nano_12_p8" and demo.data.params["optim.lr"] == "0.001"
+    assert demo.data.metrics["val_top1"] >= DEMO_FLOOR
