@@ -113,7 +113,9 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, out_dir) -> None:
         plain = evaluate(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
         model = _normalised(RUNNING_MEANS[rank])
         normalised = evaluate(model, SHARDS[rank], torch.float32, torch.device("cpu"))
-        record = {"plain": plain, "normalised": normalised, "running_mean": model.running_mean.tolist()}
+        past_float32 = Tally(samples=2.0**24 + 1).reduced(torch.device("cpu")).samples  # float32 would round it
+        record = {"plain": plain, "normalised": normalised, "running_mean": model.running_mean.tolist(),
+                  "samples_past_float32": past_float32}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
@@ -132,6 +134,7 @@ def test_every_rank_reports_the_metrics_of_all_ranks_samples(two_ranks):
     single = evaluate(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
     for rank in range(2):
         assert two_ranks[rank]["plain"] == pytest.approx(single) == _expected(RANK0_REAL + RANK1_REAL), rank
+        assert two_ranks[rank]["samples_past_float32"] == 2 * (2**24 + 1), rank  # counts are summed exactly
     assert _expected(RANK0_REAL)["val_top1"] != single["val_top1"]  # a rank's own accuracy would differ
 
 
