@@ -48,17 +48,19 @@ class Tally:
         }
 
 
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks.
-
-    Each rank's BatchNorm running statistics come from its own shard; they are averaged over the ranks
-    first (timm's ``train.py``, ``--dist-bn reduce``), so every rank scores the same model, the one a
-    checkpoint saves from rank 0.
-    """
-    model.eval()
+def average_batchnorm_statistics(model) -> None:
+    """Each rank's BatchNorm running statistics come from its own shard (DeepSpeed never broadcasts
+    buffers): averaged over the ranks (timm's ``train.py``, ``--dist-bn reduce``), so every rank scores
+    the same model, the one a checkpoint saves from rank 0."""
     if dist.is_available() and dist.is_initialized():
         distribute_bn(model, dist.get_world_size(), reduce=True)
+
+
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
+    exactly once across ranks, after its BatchNorm statistics are averaged over the ranks."""
+    model.eval()
+    average_batchnorm_statistics(model)
     tally = Tally()
     with torch.no_grad():
         for images, labels, num_real in val_loader:
