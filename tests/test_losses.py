@@ -109,3 +109,15 @@ def test_the_configured_distillation_loss_mixes_in_the_teachers_argmax_by_alpha(
     by_hand = sum(0.7 * _cross_entropy_by_hand(branch, LABELS) + 0.3 * _cross_entropy_by_hand(branch, teacher_labels)
                   for branch in (LOGITS, word_logits))
     torch.testing.assert_close(loss, by_hand)
+
+
+def test_the_configured_teacher_runs_in_the_training_precision_it_is_given(teacher):
+    _, checkpoint = teacher
+    cfg = _config("distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
+                  'distill.teacher_args={"img_size": 16, "depth": 1}')
+    loss = build_training_loss(cfg, BatchAugment(cfg.data.augment, 10), 10, torch.device("cpu"),
+                               teacher_precision=torch.autocast("cpu", dtype=torch.bfloat16))
+    output_dtypes = []
+    loss.distillation.teacher.register_forward_hook(lambda module, args, output: output_dtypes.append(output.dtype))
+    loss(LOGITS, LABELS, IMAGES)
+    assert output_dtypes == [torch.bfloat16]
