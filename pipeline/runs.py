@@ -431,6 +431,7 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
         reason = f"error: {failure_reason(err)}"
         end_run(tracking, "FAILED", reason)
         raise RunFailed(f"{reason}; MLflow run {tracking.run_id} marked FAILED") from err
+    remove_unregistered_checkpoints(run)  # a worker group restarted mid-report left its half-reported one
     divergence = tracking.diverged_at()
     if divergence:
         end_run(tracking, "FAILED", f"diverged: loss diverged at {divergence}")

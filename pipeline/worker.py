@@ -19,7 +19,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
                                     save_final_weights, use_weights_only_loading)
@@ -33,7 +32,7 @@ from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
 from pipeline.lr_scaling import effective_lr
-from pipeline.metrics import DIVERGED_KEY, Tally
+from pipeline.metrics import DIVERGED_KEY, evaluate
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
@@ -276,15 +275,3 @@ class Trainer:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks."""
-    model.eval()
-    tally = Tally()
-    with torch.no_grad():
-        for images, labels, num_real in val_loader:
-            logits = model(images.to(input_dtype)).float()[:num_real]
-            labels = labels[:num_real]
-            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
-    return tally.reduced(device).means("val")

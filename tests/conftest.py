@@ -76,6 +76,30 @@ def train_command(storage: Path, data: dict[str, Path], *overrides: str, config:
     return args
 
 
+def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[str, float]) -> None:
+    """``model`` (a run's final weights), evaluated as the run's workers evaluate (the config's val loader
+    and precision, BatchNorm in fp32 with exact running statistics), scores the run's final metrics."""
+    import pytest
+    import torch
+
+    from pipeline.data.loaders import build_val_loader
+    from pipeline.data.sidecar import read_sidecar
+    from pipeline.engine import input_dtype, keep_batchnorm_in_fp32
+    from pipeline.metrics import evaluate
+
+    dtype, weights = input_dtype(cfg), model.state_dict()
+    model.to(dtype)
+    keep_batchnorm_in_fp32(model)
+    model.load_state_dict(weights)  # copies into the cast tensors: the running statistics stay exact
+    loader = build_val_loader(cfg.data, val_beton, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, "cpu")
+    ours = evaluate(model, loader, dtype, torch.device("cpu"))
+    # The ranks' batch shapes change how a kernel rounds: in fp32 by ~1e-7, in bf16 by up to ~1e-2,
+    # which may flip a near-tie: one sample.
+    one_sample = 100.0 / read_sidecar(val_beton).num_samples
+    assert ours["val_top1"] == pytest.approx(metrics["val_top1"], abs=one_sample + 1e-9)
+    assert ours["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=vitsweep_env(), timeout=timeout)
 

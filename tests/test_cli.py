@@ -1,4 +1,5 @@
 """The `vitsweep` command: help, exit codes (0 ok, 2 invalid input, 1 failure), doctor, config."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,20 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert "make test" in ci.splitlines()[-1]
     assert "make test" in readme
+
+
+def test_make_mutation_refuses_a_module_outside_the_core_ones_before_installing_anything():
+    result = subprocess.run(["make", "--no-print-directory", "mutation", "MODULE=pipeline.worker"],
+                            cwd=REPO, capture_output=True, text=True, env=_env())
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MODULE=pipeline.worker is not one of: pipeline.metrics pipeline.losses" in result.stderr
+
+
+def test_the_readme_mutation_command_names_a_module_make_mutation_accepts():
+    (module,) = re.findall(r"`make mutation MODULE=(\S+)`", (REPO / "README.md").read_text())
+    result = subprocess.run(["make", "--no-print-directory", "mutation-module", f"MODULE={module}"],
+                            cwd=REPO, capture_output=True, text=True, env=_env())
+    assert result.returncode == 0, result.stderr
 
 
 def _env() -> dict[str, str]:

@@ -1,5 +1,7 @@
 """Faults injected into real runs: whatever ends a run, its MLflow status says so with a one-line
-reason, the console's last line says what happened, and nothing half-written is left to resume from."""
+reason, the console's last line says what happened, and nothing half-written is left to resume from.
+The finished run a refused re-run must leave alone is a ZeRO-3 run with --verbose: its final weights,
+gathered from both ranks, and its console are checked here too."""
 import re
 import signal
 import socket
@@ -9,9 +11,12 @@ from pathlib import Path
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_model
 
-from conftest import RunningVitsweep, run_vitsweep, train_command, wait_for
+from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command, wait_for
 from pipeline.checkpointing import read_meta
+from pipeline.config import load_config
+from pipeline.modeling import build_model
 from pipeline.runs import unregistered_checkpoints
 from test_tune_e2e import tune_command
 
@@ -119,10 +124,35 @@ def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp
     assert run.info.status == "FAILED" and re.match(reason, run.data.tags["stop_reason"])
 
 
-def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    args = train_command(storage, digits16, "run.name=done")
-    assert run_vitsweep(args).returncode == 0
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, digits16):
+    """A one-epoch run under ZeRO-3 (each rank holds half of every parameter), with --verbose."""
+    storage = tmp_path_factory.mktemp("finished") / "runs"
+    args = train_command(storage, digits16, "run.name=done", "deepspeed.zero_stage=3") + ["--verbose"]
+    result = run_vitsweep(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return storage, args, result
+
+
+def test_zero3_final_weights_gathered_from_both_ranks_score_the_runs_val_top1(finished_run, digits16):
+    storage, _, _ = finished_run
+    (run,) = _runs(storage)
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    cfg = load_config("smoke", ["deepspeed.zero_stage=3"])
+    model = build_model(cfg.model, num_classes=10)
+    load_model(model, client.download_artifacts(run.info.run_id, "model.safetensors", str(storage)))
+    assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)
+
+
+def test_verbose_shows_the_library_output_on_the_console_too(finished_run):
+    storage, _, result = finished_run
+    console = result.stdout + result.stderr
+    assert "TrainController" in console and "TrainController" in (storage / "done" / "vitsweep.log").read_text()
+    assert "epoch 1/1  train_loss" in result.stdout  # vitsweep's own lines as ever
+
+
+def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(finished_run):
+    storage, args, _ = finished_run
     (before,) = _runs(storage)
 
     result = run_vitsweep(args + ["--address", "http://127.0.0.1:8265"], timeout=120)
@@ -165,9 +195,10 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
     result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30",
                                         "model.args.depth=6", "model.args.embed_dim=192"))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert _last_line(result.stderr).startswith("vitsweep train: error: ")
     (run,) = _runs(storage)
-    assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
+    reason = run.data.tags["stop_reason"]
+    assert run.info.status == "FAILED" and reason.startswith("error: ") and "No space left on device" in reason, reason
+    assert _last_line(result.stderr).startswith(f"vitsweep train: {reason}")
     assert unregistered_checkpoints(storage / "full") == []
 
 

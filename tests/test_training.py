@@ -1,5 +1,6 @@
 """`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
 import re
+from pathlib import Path
 
 import mlflow
 import mlflow.pytorch
@@ -7,14 +8,15 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import run_vitsweep, train_command
+from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
 from pipeline.config import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.model_source import resolve_model_source
+from pipeline.tracking import MlflowRun
 
 pytestmark = pytest.mark.slow
 
-METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
+METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "tflops_per_sec", "epoch_time_s"}
 ARTIFACTS = {"config.yaml", "deepspeed.json", "model_summary.txt", "model.safetensors"}
 
 
@@ -118,9 +120,14 @@ def test_the_mlflow_run_reads_well_in_the_ui(two_epoch_run):
     assert "xcit_nano_12_p8" in tags["mlflow.note.content"] and tags["mlflow.user"]
     assert tags["mlflow.source.name"].startswith("vitsweep train --config smoke")
     assert [m.value for m in client.get_metric_history(run.info.run_id, "epochs_trained")] == [1, 2]
-    contexts = {i.dataset.name: dict((t.key, t.value) for t in i.tags) for i in run.inputs.dataset_inputs}
-    assert sorted(c["mlflow.data.context"] for c in contexts.values()) == ["training", "validation"]
-    assert all(len(c["sha256"]) == 64 for c in contexts.values())
+    inputs = {dict((t.key, t.value) for t in i.tags)["mlflow.data.context"]: i for i in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["training", "validation"]
+    for context, split in (("training", "data.train"), ("validation", "data.val")):  # each with its own file's hash
+        sha256 = read_sidecar(Path(run.data.params[split])).sha256
+        assert dict((t.key, t.value) for t in inputs[context].tags)["sha256"] == sha256, context
+        assert inputs[context].dataset.digest == sha256[:32], context
+        assert str(Path(run.data.params[split])) in inputs[context].dataset.source, context
+    assert inputs["training"].dataset.digest != inputs["validation"].dataset.digest
     assert any(key.startswith("system/node0/cpu_utilization") for key in run.data.metrics)
 
 
@@ -178,13 +185,27 @@ def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
 
 
-def test_logged_model_loads_with_mlflow_and_predicts(two_epoch_run, monkeypatch):
+def test_the_logged_model_is_the_trained_one_it_scores_the_runs_final_val_top1(two_epoch_run, monkeypatch, tmp_path):
     storage, _ = two_epoch_run
     _, run = _only_run(storage)
     # Not mlflow.set_tracking_uri: it would export the URI to every later test's subprocesses.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{storage}/mlflow.db")
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     assert model(torch.zeros(3, 3, 16, 16)).shape == (3, 10)
+    (tmp_path / "config.yaml").write_text(MlflowRun(f"sqlite:///{storage}/mlflow.db", run.info.run_id).read_artifact("config.yaml"))
+    cfg = load_config(str(tmp_path / "config.yaml"))
+    assert_scores_the_runs_metrics(model, cfg, Path(cfg.data.val), run.data.metrics)
+
+
+def test_each_epoch_logs_its_achieved_training_tflops(two_epoch_run):
+    # 6 x the model's GMACs per image x images/s; MFU needs a GPU's peak, so a CPU run logs none.
+    client, run = _only_run(two_epoch_run[0])
+    gmacs = float(run.data.params["model_facts.gflops"])
+    images_per_sec = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "images_per_sec")}
+    tflops = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "tflops_per_sec")}
+    assert tflops == pytest.approx({step: 6 * gmacs * ips / 1e3 for step, ips in images_per_sec.items()})
+    assert sorted(tflops) == [1, 2] and all(value > 0 for value in tflops.values())
+    assert "mfu" not in run.data.metrics
 
 
 def test_resuming_with_another_model_is_rejected_before_training(two_epoch_run, digits16):

@@ -137,3 +137,12 @@ def test_a_lost_worker_is_the_failure_reason_not_the_broken_connection_it_left_o
     assert failure_reason(WorkerGroupError("two ranks failed", {0: gloo, 1: lost})) == (
         "worker rank 1 (pid 4242 on 10.0.0.7) died: its worker process has died "
         "(SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2)")
+
+
+def test_a_failed_runs_stop_reason_is_the_last_line_of_the_workers_error():
+    from pipeline.runs import error_line
+
+    wrapped = RuntimeError("Training failed due to worker errors:\n[Rank 1]\nTraceback (most recent call last):\n"
+                           '  File "worker.py", line 3, in fit\nOSError: [Errno 28] No space left on device\n\n')
+    assert error_line(wrapped) == "OSError: [Errno 28] No space left on device"
+    assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"  # no message: its type names it

@@ -12,9 +12,11 @@ import time
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_model
 
-from conftest import VITSWEEP, run_vitsweep, vitsweep_env
+from conftest import VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, vitsweep_env
 from pipeline.config import load_config
+from pipeline.modeling import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -292,13 +294,14 @@ def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(resumed_sweep):
 
 @pytest.fixture(scope="module")
 def tpe_sweep(tmp_path_factory, digits16):
+    """Three TPE samples of one epoch each, trained under ZeRO-0 (plain data parallelism)."""
     storage = tmp_path_factory.mktemp("tpe")
     space = storage / "heads.yaml"
     # 6 heads do not divide 128 channels: that one combination of four is invalid.
     space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
                                        "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
-                                       "tune.scheduler=fifo"), timeout=1200)
+                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0"), timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return storage
 
@@ -315,3 +318,15 @@ def test_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(tpe_swe
         knobs = json.loads(run.data.tags["knobs"])
         assert knobs != {"model.args.embed_dim": 128, "model.args.num_heads": 6}
         assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
+
+
+def test_zero0_trials_final_weights_score_their_val_top1(tpe_sweep, digits16):
+    client, _, children = _runs(tpe_sweep)
+    for trial_id, run in children.items():
+        directory = tpe_sweep / f"weights-{trial_id}"
+        directory.mkdir()
+        cfg = load_config(client.download_artifacts(run.info.run_id, "config.yaml", str(directory)))
+        assert cfg.deepspeed.zero_stage == 0
+        model = build_model(cfg.model, num_classes=10)
+        load_model(model, client.download_artifacts(run.info.run_id, "model.safetensors", str(directory)))
+        assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)

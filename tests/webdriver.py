@@ -22,7 +22,7 @@ from conftest import free_port
 # loopback the UI opens its "MLflow Assistant" panel over a third of the page on first load.
 NO_ASSISTANT_PANEL = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False}
 
-ELEMENT = "element-6066-11e4-a52e-4f735216949b"  # the W3C WebDriver key of an element reference
+ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C WebDriver key of an element reference
 
 # What a test asserts on: the page heading, and the runs table's header cells (ag-grid) by column id.
 PAGE_FACTS_JS = """
