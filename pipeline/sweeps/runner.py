@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import pyarrow.fs
 import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -54,31 +53,6 @@ RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
 TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
-
-
-def _filesystem(location: str):
-    return pyarrow.fs.FileSystem.from_uri(location)
-
-
-def write_text(location: str, text: str) -> None:
-    if not uris.is_uri(location):
-        Path(location).parent.mkdir(parents=True, exist_ok=True)
-        Path(location).write_text(text)
-        return
-    fs, path = _filesystem(location)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as stream:
-        stream.write(text.encode())
-
-
-def read_text(location: str) -> str | None:
-    if not uris.is_uri(location):
-        return Path(location).read_text() if Path(location).is_file() else None
-    fs, path = _filesystem(location)
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as stream:
-        return stream.readall().decode()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +184,7 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     base_tree = cfg.model_dump(mode="json")
 
     sweep_dir = uris.join(root, name)
-    if read_text(uris.join(sweep_dir, RECORD_NAME)) is not None:
+    if uris.read_bytes(uris.join(sweep_dir, RECORD_NAME)) is not None:
         raise InvalidInputError(f"sweep {name!r} already exists in {sweep_dir}; continue it with "
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
@@ -220,11 +194,11 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
 
 def load_sweep(sweep_dir: str) -> Sweep:
     """An interrupted sweep, from its record (``--resume``)."""
-    text = read_text(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
+    text = uris.read_bytes(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
     if text is None:
         raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
                                 "that `vitsweep tune` printed when it started")
-    record = json.loads(text)
+    record = json.loads(text.decode())
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
@@ -328,7 +302,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     if not uris.is_uri(sweep.directory):
         console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
     if not resume:
-        write_text(sweep.record_path, sweep.record())
+        uris.write_bytes(sweep.record_path, sweep.record().encode())
         parent.log_params(_sweep_params(sweep, max_concurrent))
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
