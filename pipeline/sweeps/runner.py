@@ -1,9 +1,10 @@
 """Runs a sweep: everything checked first, trials sized to the cluster, Ray Tune, resume.
 
 ``prepare_sweep`` does all the checking (config, space, every trial's model on the meta device,
-the datasets, the MLflow store, the resources) and writes nothing but a requested offline dataset.
-``run_sweep`` then starts Ray, opens the MLflow parent run, writes the sweep's record and drives
-``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an interrupted sweep from its
+the datasets, every trial's initial weights, the MLflow store, the resources) and writes nothing but
+a requested offline dataset. ``run_sweep`` then starts Ray, opens the MLflow parent run, writes the
+sweep's record and the trials' initial weights (one file per source, read by every trial that
+starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an interrupted sweep from its
 record with ``Tuner.restore``: finished trials stay finished, unfinished ones continue their Ray
 Train checkpoint and their MLflow run.
 
@@ -21,7 +22,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from pipeline.jobs import check_paths_outlive_job
 from pipeline.errors import InvalidInputError
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
-from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
+from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.spaces import short_keys
@@ -48,6 +49,7 @@ from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, PARENT_TAG, TRIA
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
                                run_origin)
+from pipeline.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
@@ -120,6 +122,9 @@ class Sweep:
     tracking_uri: str
     parent_run_id: str | None = None
     created: float = 0.0
+    # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema); saved
+    # into the sweep directory when it starts (a resumed sweep has them there already).
+    sources: dict[tuple[str, bool], Any] = field(default_factory=dict, repr=False)
 
     @property
     def cfg(self) -> ExperimentConfig:
@@ -189,7 +194,8 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
     data = resolve_data(cfg)
-    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created)
+    sources = check_initial_weights(plan.candidates, data.num_classes, tracking_uri)
+    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created, sources=sources)
 
 
 def load_sweep(sweep_dir: str) -> Sweep:
@@ -228,7 +234,7 @@ def _trainable(sweep: Sweep):
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
                      cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR),
-                     source=command_line())
+                     source=command_line(), init_sources=uris.join(sweep.directory, SWEEP_SOURCES))
     return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
 
 
@@ -303,6 +309,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
     if not resume:
         uris.write_bytes(sweep.record_path, sweep.record().encode())
+        for (init_from, init_ema), source in sweep.sources.items():
+            save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
         parent.log_params(_sweep_params(sweep, max_concurrent))
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
