@@ -324,13 +324,18 @@ def record_initial_weights(tracking: MlflowRun, init: InitialWeights) -> None:
                   if provenance.registered_name else None)
     tags = {"init.source": provenance.given, "init.kind": provenance.kind, "init.ema": str(provenance.ema),
             "init.run_id": provenance.run_id, "init.model_id": provenance.model_id, "init.registered_model": registered,
-            "init.summary": plan.summary(), "init.loaded": str(len(plan.loaded)),
-            "init.reset": ", ".join(plan.reset), "init.resampled": ", ".join(plan.resampled),
-            "init.excluded": ", ".join(plan.excluded)}
+            "init.summary": _shortened(plan.summary()), "init.loaded": str(len(plan.loaded)),
+            "init.reset": _shortened(", ".join(plan.reset)), "init.resampled": _shortened(", ".join(plan.resampled)),
+            "init.excluded": _shortened(", ".join(plan.excluded))}
     tracking.set_tags({key: value for key, value in tags.items() if value})
     tracking.log_texts({PLAN_ARTIFACT: json.dumps(plan.as_dict(), indent=1)})
     if provenance.model_id and provenance.tracking_uri == tracking.uri:
         tracking.log_model_input(provenance.model_id)
+
+
+def _shortened(text: str, limit: int = 1000) -> str:
+    """A tag's value within MLflow's limits; the whole list is in init_weights.json."""
+    return text if len(text) <= limit else text[:limit - 40].rsplit(", ", 1)[0] + f", ... (see {PLAN_ARTIFACT})"
 
 
 def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = (),

@@ -401,3 +401,17 @@ def test_the_finetune_presets_hold_the_papers_printed_settings():
         "xcit_nano_12_p8", 384, 1.0)
     assert (paper_003.optim.lr, paper_003.optim.weight_decay, paper_003.optim.epochs,
             paper_003.optim.schedule.name) == (5e-6, 1e-8, 30, "constant")
+
+
+def test_long_lists_of_weights_stay_within_mlflows_tag_limit_and_whole_in_the_artifact(tmp_path):
+    from pipeline.runs import record_initial_weights
+    from pipeline.tracking import MlflowStore
+
+    model = with_source(model_config("vit", args={"depth": 40})).model_copy(update={"init_exclude": ("blocks.*",)})
+    source = trained_source(model.model_copy(update={"init_exclude": ()}))
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    assert len(", ".join(plan.excluded)) > 8000  # MLflow's limit for a tag's value
+    tracking = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "finetune")
+    record_initial_weights(tracking, InitialWeights(plan, str(tmp_path / "init_source.safetensors")))
+    assert tracking.tags["init.excluded"].endswith("... (see init_weights.json)")
+    assert len(json.loads(tracking.read_artifact("init_weights.json"))["excluded"]) == len(plan.excluded) == 480
