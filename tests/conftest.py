@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +84,29 @@ def wait_for(condition, timeout: float, what: str):
             return value
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
+    venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` and a 2-trial fine-tuning sweep from it.
+    Their store (``./vitsweep-runs``) and each command's output; the MLflow UI check browses the same store."""
+    root = tmp_path_factory.mktemp("readme-finetuning")
+    env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    results = []
+    for command in readme_block("## Fine-tuning"):
+        result = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, env=env,
+                                timeout=1500)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        results.append(result)
+    return root / "vitsweep-runs", results
 
 
 class RunningVitsweep:
