@@ -1,6 +1,10 @@
 """MLflow's UI (3.17, a real `mlflow server` on loopback) in headless Chromium, opened by the links
 vitsweep gives: a training run and a sweep's trials read as model-training runs (the runs table, not
-the GenAI "Overview"), with the sweep's knobs as columns and on the compare page.
+the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; a fine-tuned trial's
+page leads to the model it started from, and that model's page to the run that trained it.
+
+The store is what README's "Fine-tuning" commands leave (``conftest.readme_finetuning``): a 2-epoch
+smoke run and a 2-trial fine-tuning sweep from it.
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
@@ -16,30 +20,22 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, run_vitsweep, train_command, vitsweep_env, wait_for
+from conftest import free_port, vitsweep_env, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
-from test_tune_e2e import tune_command
 from webdriver import NO_ASSISTANT_PANEL, Browser
 
 pytestmark = pytest.mark.slow
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
+PRETRAINED = "digits16"  # the README's pre-training run
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
-    """A store holding what a user has after `make demo` and a small sweep: a 2-epoch training run
-    and a 2-trial grid over the QKV embedding (kept small: 2 cores); and the UI links each printed."""
-    storage = tmp_path_factory.mktemp("ui-store")
-    demo = run_vitsweep(train_command(storage, digits16, "optim.epochs=2", "run.name=demo"))
-    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
-    space = storage / "qkv.yaml"
-    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
-    sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
-                                      "tune.scheduler=fifo"), timeout=1200)
-    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
-    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
+def store(readme_finetuning) -> tuple[Path, dict[str, str]]:
+    """The README's fine-tuning store and the UI links its two commands printed."""
+    storage, (pretrain, sweep) = readme_finetuning
+    links = {"demo": PRINTED_LINK.search(pretrain.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
     return storage, links
 
 
@@ -90,7 +86,7 @@ def runs(store):
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
-    [demo] = [run for run in found if run.info.run_name == "demo"]
+    [demo] = [run for run in found if run.info.run_name == PRETRAINED]
     [sweep] = [run for run in found if role(run) == "sweep"]
     trials = [run for run in found if role(run) == "trial"]
     assert len(trials) == 2
@@ -125,19 +121,21 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     browser.wait_for_text("Overview", "Parameters", "val_top1")
     browser.screenshot(screenshots / "demo_run.png")
     facts = browser.facts()
-    assert facts["heading"] == "demo"
+    assert facts["heading"] == PRETRAINED
     assert "Model registry" in facts["text"]  # the model-training sidebar
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
                                                                              screenshots):
+    _, _, sweep, _ = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.wait_for_text(sweep.info.run_name, "val_top1")
     browser.screenshot(screenshots / "sweep_runs.png")
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
-    assert {"params.`qkv`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
+    assert {"params.`lr`", "params.`layer_decay`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(
+        facts["columns"])
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):
@@ -146,4 +144,5 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.wait_for_text("Comparing 2 Runs", "Parallel Coordinates Plot")
     browser.screenshot(screenshots / "sweep_compare.png")
     text = browser.facts()["text"]
-    assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
+    decays = {run.data.params["optim.layer_decay"] for run in trials}
+    assert "optim.layer_decay" in text and decays <= set(text.split()), decays
