@@ -146,3 +146,21 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     text = browser.facts()["text"]
     decays = {run.data.params["optim.layer_decay"] for run in trials}
     assert "optim.layer_decay" in text and decays <= set(text.split()), decays
+
+
+LINKS_TO_JS = "return [...document.querySelectorAll('a[href]')].map(a => a.href).filter(h => h.includes(arguments[0]))"
+
+
+def test_a_fine_tuned_trials_page_leads_to_the_model_it_started_from_and_on_to_the_run_that_trained_it(
+        server, runs, browser, screenshots):
+    experiment, source, _, trials = runs
+    [source_model] = source.outputs.model_outputs
+    trial = min(trials, key=lambda run: run.info.run_name)
+    browser.open(ui_link(server, experiment, run_id=trial.info.run_id))
+    browser.wait_for_text(trial.info.run_name, "Logged models")
+    browser.screenshot(screenshots / "finetuned_run.png")
+    [to_model, *_] = browser.script(LINKS_TO_JS, f"/models/{source_model.model_id}")  # the run's input, linked
+    browser.open(to_model)
+    browser.wait_for_text(source_model.model_id, "Source run", PRETRAINED)
+    browser.screenshot(screenshots / "source_model.png")
+    assert browser.script(LINKS_TO_JS, f"/runs/{source.info.run_id}")  # the model's page links its training run
