@@ -32,7 +32,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from pipeline.config import ExperimentConfig, uri_password_problem
+from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
 from pipeline.console import say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
@@ -85,9 +85,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str:
         directory = Path(uri)
     else:
         raise ConnectionError(f"MLflow URI {uri!r}: vitsweep can check http(s)://, sqlite:/// and file:// stores")
-    existing = next((p for p in [directory, *directory.parents] if p.exists()), Path("/"))
-    if not os.access(existing, os.W_OK):
-        raise ConnectionError(f"MLflow store {uri}: {existing} is not writable")
+    problem = location_problem(directory, kind="directory", create=True)
+    if problem:
+        raise ConnectionError(f"MLflow store {uri}: {problem}")
     return f"local store under {directory} ({'exists' if directory.exists() else 'will be created'})"
 
 
@@ -370,16 +370,30 @@ class MlflowRun:
                                        [InputTag("mlflow.data.context", context), InputTag("sha256", sha256)]))
         self.client.log_inputs(self.run_id, datasets=inputs)
 
-    def monitor_system(self, node_id: str, interval_s: float = 10.0):
+    def monitor_system(self, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
         """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
-        System metrics tab until the run ends; ``None`` where the store cannot be reached from this node."""
+        System metrics tab until it is finished (or the run ends); ``None`` where the store cannot be
+        reached from this node."""
         if self.uri.startswith("sqlite:///") and not Path(self.uri.removeprefix("sqlite:///")).exists():
             return None  # a local store of another node
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, node_id=node_id,
-                                       tracking_uri=self.uri)
+        monitor = NodeSystemMetrics(self.run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=self.uri)
         monitor.start()
         return monitor
+
+
+class NodeSystemMetrics(SystemMetricsMonitor):
+    """MLflow's system-metrics monitor, which also logs a last sample when it is finished: MLflow's own
+    logs only at the end of each full sampling interval, so a run shorter than one would have none."""
+
+    def finish(self) -> None:
+        super().finish()
+        try:
+            self.collect_metrics()
+            self.publish_metrics(self.aggregate_metrics())  # with what the loop sampled since its last one
+            self.mlflow_logger.flush()
+        except Exception as err:  # noqa: BLE001  (as MLflow's own monitor: never fail the run over its metrics)
+            logging.getLogger("mlflow.system_metrics").warning("could not log the last system metrics sample: %s", err)
 
 
 @contextlib.contextmanager

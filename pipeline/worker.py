@@ -33,10 +33,14 @@ from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
+from pipeline.lr_scaling import effective_lr
 from pipeline.metrics import DIVERGED_KEY, Tally
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
+
+
+MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class Trainer:
         self.plan = plan
         self.cfg = ExperimentConfig.model_validate(plan.config)
         self.time_to_first_step: float | None = None
+        self.monitor_start: threading.Thread | None = None  # this node's system-metrics monitor (local rank 0)
+        self.monitor = None
 
     def setup(self) -> None:
         # Here, in the worker process only: the driver imports this module to hand `train_worker`
@@ -109,8 +115,10 @@ class Trainer:
         self.device = ray.train.torch.get_device()
         torch.manual_seed(cfg.run.seed + self.rank)
         quiet_numba_finalizers()
-        if context.get_local_rank() == 0:  # one monitor per node, on its own thread: MLflow imports slowly
-            threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),), daemon=True).start()
+        if context.get_local_rank() == 0:  # one monitor per node, started on its own thread: MLflow imports slowly
+            self.monitor_start = threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),),
+                                                  daemon=True)
+            self.monitor_start.start()
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
@@ -133,7 +141,7 @@ class Trainer:
                                  TransferPlan.from_dict(self.plan.init_weights["plan"]))
         if cfg.model.freeze == "backbone":
             freeze_backbone(model)
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, self.world_size))
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -169,10 +177,26 @@ class Trainer:
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking import MlflowRun
 
-        MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+        self.monitor = MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+
+    def stop_monitoring(self) -> None:
+        """The node's last system-metrics sample, logged while the run is still open: a run shorter than
+        one sampling interval still has one per node. A store that does not answer never holds the worker up."""
+        if self.monitor_start is not None:
+            self.monitor_start.join(MONITOR_STOP_TIMEOUT_S)
+        if self.monitor is not None:
+            stopping = threading.Thread(target=self.monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(MONITOR_STOP_TIMEOUT_S)
 
     def fit(self) -> None:
         self.setup()
+        try:
+            self.train_epochs()
+        finally:
+            self.stop_monitoring()
+
+    def train_epochs(self) -> None:
         # A run started from trained weights first evaluates them as loaded, before any step (reported
         # with its first epoch as initial_val_*, MLflow's step 0).
         initial = ({f"initial_{key}": value for key, value in self.evaluate(with_ema=False).items()}

@@ -6,17 +6,23 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
 REPO = Path(__file__).resolve().parents[1]
+MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +92,43 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+@contextlib.contextmanager
+def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`mlflow server ARGS` on a free loopback port, its output in ``log``; yields its URI once it answers
+    /health, and stops its whole process group after."""
+    port = free_port()
+    with log.open("w") as output:
+        process = subprocess.Popen([MLFLOW, "server", *args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                   stdout=output, stderr=subprocess.STDOUT, env=env or vitsweep_env(),
+                                   start_new_session=True)
+        uri = f"http://127.0.0.1:{port}"
+        try:
+            def healthy() -> bool:
+                assert process.poll() is None, f"mlflow server exited with {process.returncode}: {log.read_text()[-3000:]}"
+                try:
+                    with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+
+            wait_for(healthy, 120, f"mlflow server at {uri} to answer /health")
+            yield uri
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
+                pass
+            with contextlib.suppress(ProcessLookupError):  # whatever of its own group is left
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+# Set to a value of its own in each background command's environment, which every process it starts
+# (Ray's, however deep, even once orphaned) inherits: how a test finds them all.
+PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
+
+
 def readme_block(heading: str) -> list[str]:
     """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
     section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
@@ -112,9 +155,10 @@ def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.Completed
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.mark = uuid.uuid4().hex
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=vitsweep_env())
+                                        env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -142,6 +186,19 @@ class RunningVitsweep:
             except psutil.NoSuchProcess:
                 continue
         return workers
+
+    def processes(self) -> list:
+        """Every live process this command started, at any depth (the command itself included)."""
+        import psutil
+
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(PROCESS_MARK) == self.mark:
+                    found.append(process)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
 
     def finish(self, timeout: float = 600) -> int:
         try:

@@ -8,25 +8,19 @@ smoke run and a 2-trial fine-tuning sweep from it.
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
-import contextlib
 import os
 import re
-import signal
-import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, vitsweep_env, wait_for
+from conftest import mlflow_server
 from pipeline.tracking import ui_compare_link, ui_link
 from webdriver import NO_ASSISTANT_PANEL, Browser
 
 pytestmark = pytest.mark.slow
 
-MLFLOW = str(Path(sys.executable).parent / "mlflow")
 PRETRAINED = "digits16"  # the README's pre-training run
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
 
@@ -41,41 +35,10 @@ def store(readme_finetuning) -> tuple[Path, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def server(store) -> str:
-    """`mlflow server` on a free loopback port over the store, stopped (its whole process group) after."""
+    """`mlflow server` on a free loopback port over the store."""
     store, _ = store
-    port = free_port()
-    log = (store / "mlflow-server.log").open("w")
-    process = subprocess.Popen(
-        [MLFLOW, "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=vitsweep_env(), start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_healthy(uri, process)
+    with mlflow_server(store / "mlflow-server.log", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}") as uri:
         yield uri
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
-            pass
-        with contextlib.suppress(ProcessLookupError):  # whatever of its own group is left
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        log.close()
-
-
-def _wait_until_healthy(uri: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
-    def healthy() -> bool:
-        assert process.poll() is None, f"mlflow server exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    wait_for(healthy, timeout, f"mlflow server at {uri} to answer /health")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ def _decayed_names(model, optimizer):
 
 def test_norms_biases_temperatures_and_position_embeddings_are_not_decayed():
     model = timm.create_model("xcit_nano_12_p16", img_size=32, num_classes=10)
-    decayed = _decayed_names(model, build_optimizer(model, OptimConfig(weight_decay=0.05)))
+    decayed = _decayed_names(model, build_optimizer(model, OptimConfig(weight_decay=0.05), lr=5e-4))
     assert decayed, "the weight matrices must decay"
     for name in decayed:
         assert not any(part in name for part in ("norm", "bias", "temperature", "pos_embed", "cls_token")), name
@@ -23,7 +23,7 @@ def test_norms_biases_temperatures_and_position_embeddings_are_not_decayed():
 
 def test_fsne_codes_are_not_decayed():
     model = timm.create_model("xcit_nano_12_p16", img_size=32, num_classes=10, qkv="fsne", code_size=8)
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.05))
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.05), lr=5e-4)
     code_params = [n for n, p in model.named_parameters() if "code" in n]
     assert code_params
     assert not set(code_params) & _decayed_names(model, optimizer)
@@ -31,30 +31,30 @@ def test_fsne_codes_are_not_decayed():
 
 def test_every_trainable_parameter_is_optimized_once():
     model = timm.create_model("xcit_nano_12_p16", img_size=32, num_classes=10, qkv="fsne", code_size=8)
-    optimizer = build_optimizer(model, OptimConfig())
+    optimizer = build_optimizer(model, OptimConfig(), lr=5e-4)
     optimized = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert sorted(optimized) == sorted(id(p) for p in model.parameters() if p.requires_grad)
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():
-    cfg = OptimConfig(lr=1e-3, epochs=10, schedule=ScheduleConfig(warmup_epochs=2, warmup_lr=0.0, min_lr=1e-5))
-    steps_per_epoch, total = 5, 50
-    assert lr_at(0, total, steps_per_epoch, cfg) == 0.0
-    assert lr_at(5, total, steps_per_epoch, cfg) == pytest.approx(5e-4)
-    assert lr_at(10, total, steps_per_epoch, cfg) == pytest.approx(1e-3)
-    assert lr_at(30, total, steps_per_epoch, cfg) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
-    assert lr_at(50, total, steps_per_epoch, cfg) == pytest.approx(1e-5)
+    cfg = OptimConfig(epochs=10, schedule=ScheduleConfig(warmup_epochs=2, warmup_lr=0.0, min_lr=1e-5))
+    steps_per_epoch, total, peak = 5, 50, 1e-3
+    assert lr_at(0, total, steps_per_epoch, cfg, peak) == 0.0
+    assert lr_at(5, total, steps_per_epoch, cfg, peak) == pytest.approx(5e-4)
+    assert lr_at(10, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-3)
+    assert lr_at(30, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert lr_at(50, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5)
 
 
 def test_constant_schedule_holds_lr_after_warmup():
-    cfg = OptimConfig(lr=1e-3, epochs=4, schedule=ScheduleConfig(name="constant", warmup_epochs=1))
-    assert lr_at(40, 40, 10, cfg) == pytest.approx(1e-3)
+    cfg = OptimConfig(epochs=4, schedule=ScheduleConfig(name="constant", warmup_epochs=1))
+    assert lr_at(40, 40, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-3)
 
 
 def test_scheduler_sets_the_optimizer_lr_each_step():
     model = torch.nn.Linear(4, 2)
-    cfg = OptimConfig(lr=1e-3, epochs=2, schedule=ScheduleConfig(warmup_epochs=1, warmup_lr=0.0))
-    optimizer = build_optimizer(model, cfg)
+    cfg = OptimConfig(epochs=2, schedule=ScheduleConfig(warmup_epochs=1, warmup_lr=0.0))
+    optimizer = build_optimizer(model, cfg, lr=1e-3)
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch=4)
     seen = []
     for _ in range(8):

@@ -27,20 +27,30 @@ def _only_run(storage):
 
 
 # The ZeRO-2 run also keeps an EMA of the weights and, like the demo's first run, writes its offline
-# dataset itself before training (one training run less in CI).
-@pytest.fixture(scope="module", params=[("1", "bf16", "null", False), ("2", "fp32", "0.9", True)],
+# dataset itself before training (one training run less in CI). It gives its rate per 512 images, DeiT's
+# way: 1.6e-2 x a global batch of 64 (2 workers x 32) / 512 = the 2e-3 the other run gives absolutely.
+EFFECTIVE_LR, GLOBAL_BATCH = 2e-3, 64
+
+
+@pytest.fixture(scope="module", params=[("1", "bf16", "null", False, "optim.lr", 2e-3),
+                                        ("2", "fp32", "0.9", True, "optim.lr_per_512", 1.6e-2)],
                 ids=["zero1-bf16", "zero2-fp32-ema"])
 def two_epoch_run(request, tmp_path_factory, digits16):
-    stage, precision, ema_decay, writes_dataset = request.param
+    stage, precision, ema_decay, writes_dataset, rate_key, rate = request.param
     storage = tmp_path_factory.mktemp(f"zero{stage}-{precision}")
     data = {"train": storage / "data" / "train.beton", "val": storage / "data" / "val.beton"} if writes_dataset else digits16
     result = run_vitsweep(train_command(
-        storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=2e-3",
+        storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{rate_key}={rate}",
         f"deepspeed.zero_stage={stage}", f"deepspeed.precision={precision}", f"optim.ema_decay={ema_decay}",
         *(["data.prepare=digits"] if writes_dataset else []),
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
+
+
+def _rate_given(request) -> tuple[str, float]:
+    """The rate knob this run was given (optim.lr or optim.lr_per_512) and its value."""
+    return request.node.callspec.params["two_epoch_run"][4:]
 
 
 def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
@@ -77,13 +87,29 @@ def test_a_finished_run_asked_for_again_is_not_retrained(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1
 
 
-def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run):
+def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run, request):
     storage, first = two_epoch_run
-    result = run_vitsweep([*first.args, "--set", "optim.lr=3e-3"], timeout=300)
+    key, rate = _rate_given(request)
+    result = run_vitsweep([*first.args, "--set", f"{key}={rate * 2}"], timeout=300)
     assert result.returncode == 2
-    assert "was trained with another config: optim.lr: 0.002 -> 0.003" in result.stderr
+    assert f"was trained with another config: {key}: {rate} -> {rate * 2}" in result.stderr
     _, run = _only_run(storage)
-    assert run.data.params["optim.lr"] == "0.002" and run.info.status == "FINISHED"
+    assert run.data.params[key] == str(rate) and run.info.status == "FINISHED"
+
+
+def test_the_run_records_the_rate_it_trained_at_beside_the_knob_given_and_prints_it(two_epoch_run, request):
+    storage, result = two_epoch_run
+    key, rate = _rate_given(request)
+    client, run = _only_run(storage)
+    params = run.data.params
+    assert params[key] == str(rate) and params["optim.lr_scaling"] == "linear"
+    assert float(params["optim.lr_effective"]) == pytest.approx(EFFECTIVE_LR)
+    assert params["optim.global_batch_size"] == str(GLOBAL_BATCH)
+    assert f"lr {EFFECTIVE_LR:.3g}" in run.data.tags["mlflow.note.content"]
+    assert f"  global batch {GLOBAL_BATCH} = 32 per worker x 1 accumulation step x 2 workers; lr 0.002" in result.stdout
+    # The schedule peaks at that rate: no warmup (smoke), so after epoch 1 of 2 the cosine is halfway to min_lr.
+    (epoch_1,) = [m.value for m in client.get_metric_history(run.info.run_id, "lr") if m.step == 1]
+    assert epoch_1 == pytest.approx((EFFECTIVE_LR + float(params["optim.schedule.min_lr"])) / 2, rel=1e-3)
 
 
 def test_the_mlflow_run_reads_well_in_the_ui(two_epoch_run):

@@ -179,7 +179,7 @@ def test_init_options_without_a_source_are_refused():
 
 
 def _lr_scales(model, layer_decay: float) -> dict[str, float]:
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3, layer_decay=layer_decay))
+    optimizer = build_optimizer(model, OptimConfig(layer_decay=layer_decay), lr=1e-3)
     return {name: group["lr"] / 1e-3 for group in optimizer.param_groups for name, p in model.named_parameters()
             if any(p is q for q in group["params"])}
 
@@ -205,7 +205,7 @@ def test_layer_decay_keeps_the_same_weights_exempt_from_weight_decay(family):
     model = build_model(model_config(family), 10)
 
     def exempt(cfg: OptimConfig) -> set[str]:
-        groups = build_optimizer(model, cfg).param_groups
+        groups = build_optimizer(model, cfg, lr=1e-3).param_groups
         return {name for name, p in model.named_parameters() for g in groups
                 if g["weight_decay"] == 0 and any(p is q for q in g["params"])}
 
@@ -215,7 +215,7 @@ def test_layer_decay_keeps_the_same_weights_exempt_from_weight_decay(family):
 def test_the_schedule_scales_every_layers_rate_alike():
     model = build_model(model_config("vit"), 10)
     cfg = OptimConfig(lr=1e-3, layer_decay=0.5, epochs=2, schedule={"warmup_epochs": 1})
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, lr=1e-3)
     before = [group["lr"] for group in optimizer.param_groups]
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch=10)
     for _ in range(7):
@@ -235,7 +235,7 @@ def _engine(model, cfg_overrides: list[str]):
     from pipeline.engine import deepspeed_config
 
     cfg = load_config("smoke", ["scaling.num_workers=1", *cfg_overrides])
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
                                            dist_init_required=False)
     return engine
@@ -247,7 +247,8 @@ def test_a_frozen_backbone_receives_no_update_and_keeps_its_batchnorm_statistics
     freeze_backbone(target)
     backbone = {name: tensor.clone() for name, tensor in target.state_dict().items() if not name.startswith("head.")}
     head = target.head.weight.detach().clone()
-    trained = {id(p) for group in build_optimizer(target, OptimConfig()).param_groups for p in group["params"]}
+    groups = build_optimizer(target, OptimConfig(), lr=1e-3).param_groups
+    trained = {id(p) for group in groups for p in group["params"]}
     assert trained == {id(p) for p in target.head.parameters()}
     engine = _engine(target, ["deepspeed.zero_stage=1"])
     for _ in range(2):

@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config import load_config
 from pipeline.sweeps.report import pareto_front
-from pipeline.sweeps.runner import RECORD_NAME, TrialResources, concurrent_trials
+from pipeline.sweeps.runner import RECORD_NAME
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
 from pipeline.tracking import MlflowStore
 
@@ -47,6 +47,23 @@ def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
     assert "did you mean 'fsne_code_size'" in capsys.readouterr().err
 
 
+def test_the_learning_rate_space_sweeps_the_per_batch_rate_over_a_config_with_an_absolute_one(tmp_path, digits16):
+    from pipeline.sweeps.runner import prepare_sweep
+
+    # The default preset gives lr 1e-3 absolutely; lr_wd's fixed optim.lr: null leaves the rate to its knob.
+    sweep = prepare_sweep("default", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                      f"data.val={digits16['val']}", "data.prepare=null"], ["lr_wd"])
+    assert len(sweep.plan.variants) == 9 and not sweep.plan.pruned
+    assert {variant["optim.lr_per_512"] for variant in sweep.plan.variants} == {2.5e-4, 5e-4, 1e-3}
+    assert sweep.base_tree["optim"]["lr"] is None
+
+
+def test_an_absolute_rate_set_over_the_learning_rate_space_exits_2_naming_both(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, "optim.lr=1e-3", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "optim.lr=0.001 and optim.lr_per_512=" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_asha_grace_period_must_leave_epochs_to_stop(tmp_path, capsys):
     args = _tune(tmp_path, None, "optim.epochs=2", "tune.grace_period=2", space="lr_wd")
     assert main(args) == EXIT_INVALID_INPUT
@@ -80,37 +97,6 @@ def test_resume_takes_nothing_but_the_sweep_directory(tmp_path, capsys):
 def test_resume_of_a_directory_without_a_sweep_exits_2(tmp_path, capsys):
     assert main(["tune", "--resume", str(tmp_path)]) == EXIT_INVALID_INPUT
     assert "no sweep there" in capsys.readouterr().err
-
-
-# --------------------------------------------------------------------------------------------------
-# Resources
-# --------------------------------------------------------------------------------------------------
-
-def test_two_cores_run_one_trial_of_one_worker_at_a_time():
-    cfg = load_config("smoke", ["scaling.num_workers=1"])
-    assert concurrent_trials(cfg, {"CPU": 2.0}) == 1
-
-
-def test_a_full_node_runs_as_many_trials_as_fit():
-    cfg = load_config("smoke", ["scaling.num_workers=2"])
-    assert concurrent_trials(cfg, {"CPU": 16.0}) == 5  # 3 CPUs each: trial function + 2 workers
-
-
-def test_gpus_bound_concurrency_on_a_gpu_cluster():
-    cfg = load_config("smoke", ["scaling.num_workers=2", "scaling.use_gpu=true", "scaling.gpus_per_worker=1",
-                                "tune.trial_cpus=0.5"])
-    assert concurrent_trials(cfg, {"CPU": 64.0, "GPU": 8.0}) == 4
-
-
-def test_a_trial_that_cannot_fit_the_cluster_is_an_error():
-    cfg = load_config("smoke", ["scaling.num_workers=4"])
-    with pytest.raises(ValueError, match="one trial needs 5 CPUs"):
-        concurrent_trials(cfg, {"CPU": 4.0})
-
-
-def test_one_trials_resources_read_in_the_singular_where_there_is_one():
-    cfg = load_config("smoke", ["scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "tune.trial_cpus=0.5"])
-    assert TrialResources.of(cfg).describe(cfg) == "1 CPU = trial function 0.5 CPU + 1 worker x (0.5 CPU)"
 
 
 # --------------------------------------------------------------------------------------------------

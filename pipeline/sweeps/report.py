@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS  # noqa: E402
 from pipeline.sweeps.spaces import short_keys  # noqa: E402
 from pipeline.sweeps.tracking import (COMPLETED, EARLY_STOPPED, KNOBS_TAG, PRUNED, STOP_REASON_TAG,  # noqa: E402
                                       TRIAL_TAG, child_runs)
@@ -38,6 +39,7 @@ class TrialRow:
     metrics: dict[str, float]  # each reported metric at the trial's last epoch
     params_m: float | None
     gflops: float | None
+    lr_effective: float | None = None  # the peak rate it trained at (its per-batch rate scaled to its batch)
 
     def value(self, metric: str) -> float:
         return self.metrics.get(metric, math.nan)
@@ -62,7 +64,7 @@ def sweep_rows(parent: MlflowRun, metric: str) -> list[TrialRow]:
             knobs=json.loads(tags.get(KNOBS_TAG, "{}")), epochs=len({m.step for m in history}),
             metrics={k: v for k, v in run.data.metrics.items() if k in REPORTED},
             params_m=params_count / 1e6 if params_count is not None else None,
-            gflops=_float(params.get("model_facts.gflops")),
+            gflops=_float(params.get("model_facts.gflops")), lr_effective=_float(params.get(EFFECTIVE_LR_PARAM)),
         ))
     return rows
 
@@ -103,11 +105,14 @@ def _cell(value: Any) -> str:
 
 def table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list[list[str]]]:
     keys = knob_keys(rows)
-    header = ["trial", "state", *short_keys(keys).values(), "epochs", metric,
+    # A searched per-batch rate or batch: the rate each trial trained at, beside its knobs.
+    rates = ["lr_effective"] if set(keys) & set(RATE_INPUTS) else []
+    header = ["trial", "state", *short_keys(keys).values(), *rates, "epochs", metric,
               *[m for m in REPORTED if m != metric], "params_M", "gflops", "reason", "mlflow_run"]
     body = []
     for row in ranked(rows, metric, mode):
-        body.append([row.trial_id or "-", row.state, *[_cell(row.knobs.get(k)) for k in keys], str(row.epochs),
+        body.append([row.trial_id or "-", row.state, *[_cell(row.knobs.get(k)) for k in keys],
+                     *[_cell(row.lr_effective) for _ in rates], str(row.epochs),
                      _cell(row.value(metric)), *[_cell(row.value(m)) for m in REPORTED if m != metric],
                      _cell(row.params_m), _cell(row.gflops), row.reason, row.run_id])
     return header, body

@@ -1,24 +1,17 @@
 """Runs a sweep: everything checked first, trials sized to the cluster, Ray Tune, resume.
 
 ``prepare_sweep`` does all the checking (config, space, every trial's model on the meta device,
-the datasets, every trial's initial weights, the MLflow store, the resources) and writes nothing but
-a requested offline dataset. ``run_sweep`` then starts Ray, opens the MLflow parent run, writes the
-sweep's record and the trials' initial weights (one file per source, read by every trial that
-starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an interrupted sweep from its
-record with ``Tuner.restore``: finished trials stay finished, unfinished ones continue their Ray
-Train checkpoint and their MLflow run.
-
-Resources. A trial is its trial function (``tune.trial_cpus``, waiting on ``fit()``) plus its
-``scaling.num_workers`` workers (``cpus_per_worker``, ``gpus_per_worker``), which its
-``TorchTrainer`` requests from Ray itself, outside Tune's accounting. So Tune is capped at the
-number of trials whose function *and* workers fit the cluster; more would start trial functions
-that hold CPUs while their workers wait forever. A local Ray started here advertises at least one
-trial's CPUs, so e.g. 1 trial function + 2 workers still run on a 2-core machine.
+the datasets, every trial's initial weights, the MLflow store) and writes nothing but a requested
+offline dataset. ``run_sweep`` then starts or joins Ray, sizes the trials to it
+(``pipeline.sweeps.resources``: a cluster may grow, and trials wait for its nodes), opens the MLflow
+parent run, writes the sweep's record and the trials' initial weights (one file per source, read by
+every trial that starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` +
+``run_sweep(resume=True)`` continue an interrupted sweep from its record with ``Tuner.restore``:
+finished trials stay finished, unfinished ones continue their Ray Train checkpoint and their MLflow run.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -32,17 +25,21 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
-from pipeline.driver import start_ray
+from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job
-from pipeline.errors import InvalidInputError
+from pipeline.errors import Interrupted, InvalidInputError
+from pipeline.locations import check_can_create, run_directories
+from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import report
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
+from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
+                                       growth_notice, local_ray_cpus, start_timeout_s)
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, PARENT_TAG, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
@@ -55,56 +52,6 @@ RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
 TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
-
-
-# --------------------------------------------------------------------------------------------------
-# Resources
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrialResources:
-    cpus: float  # trial function + workers
-    gpus: float
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig) -> TrialResources:
-        workers = cfg.scaling.num_workers
-        return cls(cpus=cfg.tune.trial_cpus + workers * cfg.scaling.cpus_per_worker,
-                   gpus=workers * cfg.scaling.gpus_per_worker if cfg.scaling.use_gpu else 0.0)
-
-    def describe(self, cfg: ExperimentConfig) -> str:
-        s = cfg.scaling
-        gpus = f", {_count(self.gpus, 'GPU')}" if self.gpus else ""
-        return (f"{_count(self.cpus, 'CPU')}{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + "
-                f"{_count(s.num_workers, 'worker')} x "
-                f"({s.cpus_per_worker:g} CPU{f', {s.gpus_per_worker:g} GPU' if s.use_gpu else ''})")
-
-
-def _count(number: float, unit: str) -> str:
-    return f"{number:g} {unit}{'' if number == 1 else 's'}"
-
-
-def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
-    """How many trials run at once: what fits the cluster, or tune.max_concurrent_trials if smaller."""
-    need = TrialResources.of(cfg)
-    fits = math.floor(cluster.get("CPU", 0) / need.cpus + 1e-9)
-    if need.gpus:
-        fits = min(fits, math.floor(cluster.get("GPU", 0) / need.gpus + 1e-9))
-    if fits < 1:
-        raise InvalidInputError(
-            f"one trial needs {need.describe(cfg)}, but the Ray cluster has {cluster.get('CPU', 0):g} CPUs and "
-            f"{cluster.get('GPU', 0):g} GPUs; lower scaling.num_workers / cpus_per_worker or tune.trial_cpus"
-        )
-    wanted = cfg.tune.max_concurrent_trials
-    if wanted and wanted > fits:
-        print(f"vitsweep tune: tune.max_concurrent_trials={wanted} but only {fits} trials fit the cluster now "
-              f"({need.describe(cfg)} each); extra trials wait for the autoscaler", flush=True)
-    return wanted or fits
-
-
-def local_ray_cpus(cfg: ExperimentConfig) -> int:
-    """A local Ray advertises at least one trial's CPUs, so a trial function + its workers run even on 2 cores."""
-    return max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,16 +111,22 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
         raise SpaceError("tune.searcher=tpe needs at least one knob with more than one value")
 
 
+def base_config(config: str | None, overrides: list[str], space: SearchSpace) -> ExperimentConfig:
+    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``."""
+    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
+    return validate(apply_overrides(tree, list(overrides)))
+
+
 def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
     """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
     space = load_spaces(space_refs)
-    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
-    cfg = validate(apply_overrides(tree, list(overrides)))
+    cfg = base_config(config, overrides, space)
     _check_settings(cfg, space)
 
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
     check_paths_outlive_job(cfg)
+    check_can_create(run_directories(cfg, sweep=True))
     cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
     root = cfg.tune.storage_path or cfg.run.storage_path
@@ -207,6 +160,7 @@ def load_sweep(sweep_dir: str) -> Sweep:
     record = json.loads(text.decode())
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
+    check_can_create(run_directories(cfg, sweep=True))
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
     plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
     return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
@@ -248,6 +202,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
     else:  # grid and random trials were fixed (and checked) up front
         param_space = {"knobs": tune.grid_search(sweep.plan.variants)}
         search_alg, num_samples = None, 1
+    growth = ClusterGrowthDeadline(start_timeout_s(), TrialResources.of(cfg).describe(cfg))
     return tune.Tuner(
         _trainable(sweep),
         param_space=param_space,
@@ -261,7 +216,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
                                      cfg.optim.epochs, cfg.tune.scheduler),
-                       SweepTable(cfg.tune.metric, cfg.optim.epochs)],
+                       SweepTable(cfg.tune.metric, cfg.optim.epochs), growth],
         ),
     )
 
@@ -299,8 +254,15 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
-    max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
+    try:
+        start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    except Interrupted:
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
+        raise
+    local = ray_address(address) == "local"
+    cluster, ceiling = ray.cluster_resources(), None if local else autoscaler_ceiling()
+    max_concurrent = concurrent_trials(cfg, cluster, local, ceiling)
 
     parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
     sweep.parent_run_id = parent.run_id
@@ -322,6 +284,9 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
                  + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
                  + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}"
                  + (f"\n  library output in {console.log_path}" if console.log_path else ""))
+    notice = None if local else growth_notice(cfg, cluster, max_concurrent, ceiling is not None)
+    if notice:
+        console.line(notice)
 
     if resume and tune.Tuner.can_restore(sweep.directory):
         tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep), resume_unfinished=True,
@@ -372,9 +337,10 @@ def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
     """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
     cfg = sweep.cfg
     knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
+    rates = [EFFECTIVE_LR_PARAM] if set(sweep.space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
     metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
-    columns = [*(f"params.`{knob}`" for knob in knobs), *(f"metrics.`{m}`" for m in metrics), "tags.`stop_reason`",
-               "attributes.`User`"]
+    columns = [*(f"params.`{knob}`" for knob in [*knobs, *rates]), *(f"metrics.`{m}`" for m in metrics),
+               "tags.`stop_reason`", "attributes.`User`"]
     MlflowStore(parent.uri).save_view(
         parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
         order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
