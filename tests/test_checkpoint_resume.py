@@ -19,12 +19,13 @@ def trainer(single_process_group):
 
     from pipeline.engine import deepspeed_config
     from pipeline.modeling import build_model
+    from pipeline.lr_scaling import effective_lr
     from pipeline.optim import build_ema, build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1", "optim.ema_decay=0.5",
                                 "optim.epochs=2", "optim.schedule.warmup_epochs=1"])
     model = build_model(cfg.model, num_classes=10)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, steps_per_epoch=4),
         config=deepspeed_config(cfg, 1), dist_init_required=False,

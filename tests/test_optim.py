@@ -5,6 +5,7 @@ import torch
 
 import models  # noqa: F401
 from pipeline.config import OptimConfig, ScheduleConfig
+from pipeline.lr_scaling import effective_lr
 from pipeline.optim import build_optimizer, build_scheduler, lr_at
 
 
@@ -29,7 +30,7 @@ CLASS_ATTENTION_WEIGHTS = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1",
 
 def test_every_block_weight_decays_by_the_configured_amount_and_nothing_else_does():
     model = timm.create_model("xcit_nano_12_p16", img_size=32, num_classes=10)
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.05))
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.05), lr=5e-4)
     expected = ({f"blocks.{i}.{w}.weight" for i in range(12) for w in XCIT_BLOCK_WEIGHTS}
                 | {f"cls_attn_blocks.{i}.{w}.weight" for i in range(2) for w in CLASS_ATTENTION_WEIGHTS}
                 | {f"patch_embed.proj.{i}.0.weight" for i in (0, 2, 4, 6)} | {"head.weight"})
@@ -39,7 +40,7 @@ def test_every_block_weight_decays_by_the_configured_amount_and_nothing_else_doe
 
 def test_adamw_takes_the_configured_lr_betas_and_eps():
     cfg = OptimConfig(lr=3e-4, betas=(0.8, 0.95), eps=1e-6)
-    optimizer = build_optimizer(torch.nn.Linear(4, 2), cfg)
+    optimizer = build_optimizer(torch.nn.Linear(4, 2), cfg, effective_lr(cfg, world_size=1))
     assert isinstance(optimizer, torch.optim.AdamW)
     assert all((g["lr"], g["betas"], g["eps"]) == (3e-4, (0.8, 0.95), 1e-6) for g in optimizer.param_groups)
 
@@ -58,7 +59,7 @@ class _DeclaresNoDecay(torch.nn.Module):
 
 def test_what_a_model_declares_in_no_weight_decay_is_not_decayed():
     model = _DeclaresNoDecay()
-    assert _decayed_names(model, build_optimizer(model, OptimConfig(weight_decay=0.05))) == {"proj.weight"}
+    assert _decayed_names(model, build_optimizer(model, OptimConfig(weight_decay=0.05), lr=5e-4)) == {"proj.weight"}
 
 
 def test_fsne_codes_are_not_decayed():
@@ -88,23 +89,23 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():
 
 def test_warmup_starts_from_warmup_lr():
     cfg = OptimConfig(lr=1e-3, epochs=4, schedule=ScheduleConfig(warmup_epochs=1, warmup_lr=1e-4, min_lr=0.0))
-    assert lr_at(0, 40, 10, cfg) == pytest.approx(1e-4)
-    assert lr_at(5, 40, 10, cfg) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
+    assert lr_at(0, 40, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-4)
+    assert lr_at(5, 40, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
 
 
 def test_without_warmup_the_first_step_takes_the_full_lr():
     cfg = OptimConfig(lr=1e-3, epochs=2, schedule=ScheduleConfig(warmup_epochs=0, min_lr=0.0))
-    assert lr_at(0, 20, 10, cfg) == pytest.approx(1e-3)
+    assert lr_at(0, 20, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-3)
 
 
 def test_a_single_step_after_warmup_reaches_min_lr():
     cfg = OptimConfig(lr=1e-3, epochs=3, schedule=ScheduleConfig(warmup_epochs=2, warmup_lr=0.0, min_lr=1e-5))
-    assert lr_at(3, 3, 1, cfg) == pytest.approx(1e-5)
+    assert lr_at(3, 3, 1, cfg, peak_lr=1e-3) == pytest.approx(1e-5)
 
 
 def test_lr_stays_at_min_lr_past_the_last_step():
     cfg = OptimConfig(lr=1e-3, epochs=2, schedule=ScheduleConfig(warmup_epochs=0, min_lr=1e-5))
-    assert lr_at(30, 20, 10, cfg) == pytest.approx(1e-5)
+    assert lr_at(30, 20, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-5)
 
 
 def test_constant_schedule_holds_lr_after_warmup():
