@@ -13,11 +13,15 @@ bad file at every restart.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
+import os
+import pickle
 import random
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ModelConfig
+from pipeline.console import library_prints
 from pipeline.data.atomic import write_text_atomically
 from pipeline.data.sidecar import sha256_of
 from pipeline.errors import InvalidInputError
@@ -33,6 +38,7 @@ DEEPSPEED_TAG = "state"
 META_FILE = "vitsweep_checkpoint.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_PREFIX = "vitsweep_manifest_rank"
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load's switch making every load weights-only
 log = logging.getLogger(__name__)
 
 
@@ -52,20 +58,23 @@ def weights_only_checkpoint_engine(config_params=None):
     (Built on demand: importing DeepSpeed costs seconds the driver does not need to spend.)
     """
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(deepspeed_state_types()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    return WeightsOnlyCheckpointEngine(config_params)
+
+
+def deepspeed_state_types() -> list[type]:
+    """The plain state holders ZeRO-1/2 optimizer shards pickle: the only classes a weights-only
+    load of DeepSpeed's files allows besides tensors and containers."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    # ZeRO-1/2 optimizer shards pickle these plain state holders; only they are allowed besides
-    # tensors and containers.
-    deepspeed_state_types = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            with torch.serialization.safe_globals(deepspeed_state_types):
-                return torch.load(path, map_location=map_location, weights_only=True)
-
-    return WeightsOnlyCheckpointEngine(config_params)
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def use_weights_only_loading(engine) -> None:
@@ -119,14 +128,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"]))
 
 
-def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None) -> None:
-    """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata."""
+def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None,
+                    card: dict[str, Any] | None = None) -> None:
+    """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata, with the
+    model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs)."""
     client_state = {"epoch": epoch, f"rng_rank{rank}": rng_state()}
     if ema is not None:
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
     if rank == 0:
-        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size}
+        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size,
+                **({"card": card} if card is not None else {})}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2))
     write_manifest(directory, rank)
 
@@ -163,6 +175,60 @@ def save_final_weights(engine, directory: Path, rank: int, ema=None) -> None:
             if ema is not None:
                 save_model(ema.module, str(directory / EMA_WEIGHTS_FILE))
             write_manifest(directory, rank)  # again: the weights are this rank's files too
+
+
+def checkpoint_state_dict(directory: str | Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights in a checkpoint's DeepSpeed state, loaded weights-only on the CPU.
+
+    ZeRO 1-3: the fp32 master weights, consolidated from every rank's optimizer shard by
+    DeepSpeed's own ``zero_to_fp32``. No ZeRO: the module's state as saved (in the training
+    precision). ``ema``: the EMA's fp32 weights from rank 0's client state (stages 0-2; ZeRO-3
+    trains no EMA). Verify the checkpoint first (``verify_checkpoint``): this reads what is there.
+    """
+    directory = Path(directory)
+    state = directory / DEEPSPEED_TAG
+    model_states = state / "mp_rank_00_model_states.pt"  # rank 0's, stages 0-2: module and client state
+    try:
+        if ema:
+            client_state = _load_deepspeed_file(model_states) if model_states.is_file() else {}
+            if "ema" not in client_state:
+                raise InvalidInputError(f"checkpoint {str(directory)!r} holds no EMA weights: it was trained "
+                                        "without optim.ema_decay")
+            return client_state["ema"]
+        if any(state.glob("*_optim_states.pt")):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            with _weights_only_loads(), library_prints():
+                return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+        return _load_deepspeed_file(model_states)["module"]
+    except InvalidInputError:
+        raise
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        raise CorruptCheckpointError(
+            f"checkpoint {str(directory)!r}: its DeepSpeed state under {DEEPSPEED_TAG!r} cannot be read as weights "
+            f"({type(err).__name__}: {err})"
+        ) from None
+
+
+def _load_deepspeed_file(path: Path) -> dict[str, Any]:
+    with torch.serialization.safe_globals(deepspeed_state_types()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """Every ``torch.load`` in the block weights-only, DeepSpeed's state holders allowed: zero_to_fp32
+    asks for ``weights_only=False``, which torch's own switch overrides (process-wide, for the block)."""
+    previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_state_types()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = previous
 
 
 def write_manifest(directory: Path, rank: int) -> Path:

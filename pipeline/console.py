@@ -11,12 +11,14 @@ progress line is a plain line and no ANSI codes are written.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -51,6 +53,20 @@ def quiet_environment() -> None:
 
 
 _active: Console | None = None
+
+
+@contextlib.contextmanager
+def library_prints() -> Iterator[None]:
+    """What a library prints inside the block (DeepSpeed's checkpoint consolidation, MLflow's download
+    bars) goes where library output goes (the log file), not to the console: ``sys.stdout`` and
+    ``sys.stderr`` are swapped for the block's duration."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        if captured.getvalue():
+            active_console().library(captured.getvalue())
 
 
 def active_console() -> Console:

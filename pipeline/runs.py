@@ -38,16 +38,18 @@ from pipeline import uris
 from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
                                     checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config import ExperimentConfig, ModelConfig
-from pipeline.data.integrity import verify_dataset
+from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.distillation import build_teacher
 from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
+from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
-                               read_run_record, require_reachable, resolve_tracking_uri, run_origin)
+                               read_run_record, require_reachable, resolve_tracking_uri, run_origin,
+                               update_run_record)
 from pipeline.worker import WorkerPlan, train_worker
 
 
@@ -62,6 +64,7 @@ class ResolvedData:
     num_classes: int
     train_sha256: str = ""  # from the sidecars: MLflow's dataset digests
     val_sha256: str = ""
+    classes: tuple[str, ...] = ()  # the training set's class names, label order (its sidecar's)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,11 @@ class CheckedRun:
     def run_dir(self) -> Path:
         return Path(self.storage) / self.run_name
 
+    @property
+    def card(self) -> ModelCard:
+        """What the trained model will be: recorded in its checkpoints and with its MLflow model."""
+        return ModelCard.of_run(self.cfg, self.data.num_classes, self.data.classes)
+
 
 @dataclass(frozen=True)
 class TrainingOutcome:
@@ -134,7 +142,7 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
             f"{sidecars['val'].num_classes}; they must come from the same dataset"
         )
     return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes,
-                        sidecars["train"].sha256, sidecars["val"].sha256)
+                        sidecars["train"].sha256, sidecars["val"].sha256, tuple(sidecars["train"].classes))
 
 
 CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
@@ -301,7 +309,7 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
-                      run.facts.gflops, announce)
+                      run.facts.gflops, announce, run.card.as_dict())
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),
@@ -411,13 +419,18 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
 
 
 def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> None:
+    """The final checkpoint's weights as the run's MLflow model; its id joins the run directory's
+    record, so the run's name or directory leads to it (``pipeline.model_source``)."""
     with result.checkpoint.as_directory() as directory:
+        final, ema = Path(directory) / WEIGHTS_FILE, Path(directory) / EMA_WEIGHTS_FILE
+        weights = [final, ema] if ema.exists() else [final]
         model = build_model(run.cfg.model, run.data.num_classes)
-        load_model(model, str(Path(directory) / WEIGHTS_FILE))
-        tracking.log_model(model, Path(directory) / WEIGHTS_FILE, run.cfg.model.img_size,
-                           step=int(result.metrics.get("epoch", run.cfg.optim.epochs)))
-        if (Path(directory) / EMA_WEIGHTS_FILE).exists():
-            tracking.log_artifact(Path(directory) / EMA_WEIGHTS_FILE)
+        load_model(model, str(final))
+        last_epoch = int(result.metrics.get("epoch", run.cfg.optim.epochs))
+        model_id = tracking.log_model(model, weights, run.card, step=last_epoch)
+    if not uris.is_uri(run.storage):
+        update_run_record(run.run_dir, tracking_uri=tracking.uri, run_id=tracking.run_id,
+                          experiment_id=tracking.get().info.experiment_id, model_id=model_id)
 
 
 def launch(run: CheckedRun, tracking: MlflowRun, launched_at: float) -> TrainingOutcome:

@@ -34,10 +34,14 @@ from ray.train import UserCallback
 
 from pipeline.config import ExperimentConfig, uri_password_problem
 from pipeline.console import say
+from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
 from pipeline.metrics import DIVERGED_KEY
+from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
 
 DEFAULT_STORE_NAME = "mlflow.db"
+LOGGED_MODEL_NAME = "model"  # each run's MLflow model: runs:/<run_id>/model
+LOGGED_MODEL_FILES = "extra_files"  # where mlflow.pytorch keeps a logged model's extra files (its weights)
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
 DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
@@ -169,9 +173,18 @@ def run_origin(description: str, source: str) -> dict[str, str]:
 
 
 def read_run_record(run_dir: Path) -> dict[str, str] | None:
-    """Which MLflow run a run directory belongs to (written when its MLflow run was created)."""
+    """Which MLflow run a run directory belongs to: ``tracking_uri``, ``run_id``, ``experiment`` (its
+    name) and ``experiment_id`` (written when its MLflow run was created; a sweep trial's when its
+    model is logged), and ``model_id``, the MLflow logged model of its final weights (once logged)."""
     record = run_dir / RUN_RECORD
     return json.loads(record.read_text()) if record.is_file() else None
+
+
+def update_run_record(run_dir: Path, **entries: str) -> None:
+    """Add ``entries`` to the run directory's record of its MLflow run (written whole, atomically)."""
+    record = {**(read_run_record(run_dir) or {}), **entries}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(run_dir / RUN_RECORD, json.dumps(record) + "\n")
 
 
 class MlflowStore:
@@ -233,9 +246,8 @@ class MlflowRun:
             run.set_running()
             return run
         run = MlflowStore(uri).create_run(experiment, run_name, tags)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_RECORD).write_text(json.dumps({"tracking_uri": uri, "run_id": run.run_id,
-                                                       "experiment": experiment}))
+        update_run_record(run_dir, tracking_uri=uri, run_id=run.run_id, experiment=experiment,
+                          experiment_id=run.get().info.experiment_id)
         return run
 
     # -- reading --------------------------------------------------------------------------------
@@ -314,15 +326,24 @@ class MlflowRun:
         self.set_tags({STOP_REASON_TAG: reason})
         self.finish(status)
 
-    def log_model(self, model, weights: Path, img_size: int, step: int) -> None:
-        """The final weights as safetensors, and the model via mlflow.pytorch (``load_model`` restores it),
-        linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's)."""
-        self.log_artifact(weights)
-        example = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
+    def log_model(self, model, weights: list[Path], card: ModelCard, step: int) -> str:
+        """The final weights (safetensors: the model's, and its EMA's where there is one) as run
+        artifacts, and the model via mlflow.pytorch (``load_model`` restores it) carrying the same
+        weights files (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``), so that a
+        ``runs:/`` or ``models:/`` URI is a complete model source (``pipeline.model_source``);
+        linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's).
+        Returns the logged model's id."""
+        for path in weights:
+            self.log_artifact(path)
+        size = card.model.img_size
+        example = np.zeros((1, 3, size, size), dtype=np.float32)
         with _fluent_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id):
             # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
-            mlflow.pytorch.log_model(model.eval(), name="model", input_example=example, serialization_format="pickle",
-                                     step=step)
+            logged = mlflow.pytorch.log_model(
+                model.eval(), name=LOGGED_MODEL_NAME, input_example=example, serialization_format="pickle", step=step,
+                extra_files=[str(path) for path in weights], metadata={MLFLOW_METADATA_KEY: card.as_dict()},
+            )
+        return logged.model_id
 
     def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
         """MLflow dataset inputs: context ("training", "validation") -> (location, SHA-256 of the file).

@@ -48,6 +48,7 @@ class WorkerPlan:
     mlflow_run_id: str
     gmacs_per_image: float  # the model's forward multiply-adds (models.measure), for TFLOP/s and MFU
     announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
+    model_card: dict[str, Any] | None = None  # ModelCard.as_dict(): recorded in every checkpoint
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,14 +110,15 @@ class Trainer:
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
+        train, val = (stage_dataset(location, cache_dir, cfg.data.stage_streams)
+                      for location in (cfg.data.train, cfg.data.val))
         distributed = self.world_size > 1
         self.train_loader = build_train_loader(
-            cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
+            cfg.data, train, cfg.optim.micro_batch_size, cfg.model.img_size,
             self.device, distributed=distributed, seed=cfg.run.seed,
         )
         self.val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
-            cfg.data, stage_dataset(cfg.data.val, cache_dir), 2 * cfg.optim.micro_batch_size, cfg.model.img_size,
-            self.device, distributed=distributed,
+            cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
         )
 
         # Model, optimizer, schedule, engine.
@@ -245,7 +247,7 @@ class Trainer:
             return
         with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
             save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
-                            ema=self.ema)
+                            ema=self.ema, card=self.plan.model_card)
             if last:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))

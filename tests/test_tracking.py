@@ -8,6 +8,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
+from pipeline.model_card import ModelCard
 from pipeline.tracking import MlflowStore, local_artifact_root, resolve_tracking_uri
 
 
@@ -32,9 +33,10 @@ def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(t
     client, run_id = run.client, run.run_id
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"weights")
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
+    card = ModelCard.of_run(load_config("smoke", ["model.img_size=8"]), num_classes=2)
 
-    run.log_model(model, weights, img_size=4, step=1)
+    run.log_model(model, [weights], card, step=1)
 
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")

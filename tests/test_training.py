@@ -9,6 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from conftest import run_vitsweep, train_command
 from pipeline.config import load_config
+from pipeline.data.sidecar import read_sidecar
+from pipeline.model_source import resolve_model_source
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +176,16 @@ def test_ema_metrics_and_weights_are_logged_exactly_when_ema_is_on(two_epoch_run
         assert steps == ([1, 2] if ema_on else []), metric
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert ("model_ema.safetensors" in artifacts) == ema_on
+
+
+def test_the_finished_run_is_a_model_source_by_name_and_by_its_mlflow_model(two_epoch_run):
+    storage, _ = two_epoch_run
+    _, run = _only_run(storage)
+    ema = run.data.params["optim.ema_decay"] != "None"
+    by_name, by_uri = (resolve_model_source(given, storage_path=storage, tracking_uri=f"sqlite:///{storage}/mlflow.db",
+                                            ema=ema) for given in ("e2e", f"runs:/{run.info.run_id}/model"))
+    assert by_name.card == by_uri.card and by_name.card.model.name == run.data.params["model.name"]
+    assert by_name.card.class_names == tuple(read_sidecar(run.data.params["data.train"]).classes)
+    assert by_name.provenance.run_id == by_uri.provenance.run_id == run.info.run_id
+    assert by_name.provenance.model_id == by_uri.provenance.model_id == run.outputs.model_outputs[0].model_id
+    assert all(torch.equal(by_name.weights[key], by_uri.weights[key]) for key in by_name.weights)

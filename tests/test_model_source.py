@@ -1,0 +1,325 @@
+"""Model sources: every form that names a trained model's weights resolves to those weights, its card and
+its provenance; anything that does not resolve is bad input naming it, and nothing is written.
+
+The sources are written by training's own code paths: a one-process DeepSpeed engine checkpointed by
+``save_checkpoint`` / ``save_final_weights``, the final model logged by ``log_final_model`` into a
+real sqlite MLflow store, then registered with MLflow's registry. The model is F-SNE XCiT, whose
+blocks share their code tensors, so every source must give back the shared names too.
+"""
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import mlflow.pytorch
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, CorruptCheckpointError, model_identity,
+                                    save_checkpoint, save_final_weights, use_weights_only_loading)
+from pipeline.config import load_config
+from pipeline.errors import InvalidInputError
+from pipeline.model_card import ModelCard
+from pipeline.model_source import resolve_model_source
+from pipeline.tracking import MlflowRun, MlflowStore
+
+CLASSES = tuple(f"digit {i}" for i in range(10))
+REGISTERED = "xcit-fsne-tiny"
+SHARED_CODE = "blocks.1.attn.qkv.codes.q"  # the same tensor as blocks.0's: safetensors keeps one name
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    storage: Path
+    run_dir: Path
+    uri: str
+    run_id: str
+    experiment_id: str
+    model_id: str
+    card: ModelCard
+    first: Path  # the epoch-1 checkpoint: DeepSpeed state only
+    final: Path  # the epoch-2 checkpoint: with final weights
+    weights: dict[str, dict[str, torch.Tensor]]  # "first", "first_ema", "final", "final_ema"
+
+
+def _engine(overrides: list[str]):
+    import deepspeed
+
+    from pipeline.engine import deepspeed_config
+    from pipeline.modeling import build_model
+    from pipeline.optim import build_optimizer, build_scheduler
+
+    cfg = load_config("smoke", ["scaling.num_workers=1", "model.args.qkv=fsne", "model.args.code_size=8", *overrides])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, num_classes=len(CLASSES))
+    optimizer = build_optimizer(model, cfg.optim)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
+                                           lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
+                                           dist_init_required=False)
+    use_weights_only_loading(engine)
+    return cfg, engine
+
+
+def _step(engine, ema=None) -> None:
+    images, labels = torch.randn(4, 3, 16, 16), torch.arange(4)
+    engine.backward(F.cross_entropy(engine(images), labels))
+    engine.step()
+    if ema is not None:
+        ema.update(engine.module, step=engine.global_steps)
+
+
+def _snapshot(module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone().to(torch.float32 if tensor.is_floating_point() else tensor.dtype)
+            for name, tensor in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def trained(single_process_group, tmp_path_factory) -> TrainedRun:
+    """A finished two-epoch run (ZeRO-1, EMA) in a run directory and its MLflow run, its model
+    registered as version 1 of REGISTERED with the alias ``champion``."""
+    from ray.train import Checkpoint, Result
+
+    from pipeline.optim import build_ema
+    from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, log_final_model
+
+    storage = tmp_path_factory.mktemp("runs")
+    uri = f"sqlite:///{storage}/mlflow.db"
+    cfg, engine = _engine(["optim.ema_decay=0.9", f"run.storage_path={storage}", "run.name=tiny"])
+    ema = build_ema(engine.module, cfg.optim)
+    run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", len(CLASSES), classes=CLASSES),
+                     ModelFacts.measure(cfg.model, len(CLASSES)), "tiny", str(storage), uri)
+    tracking = MlflowRun.open_or_continue(uri, cfg.tracking.experiment, run.run_dir, run.run_name)
+    identity, weights = model_identity(cfg.model, len(CLASSES)), {}
+    for epoch, name in enumerate(("first", "final")):
+        _step(engine, ema)
+        directory = run.run_dir / f"checkpoint_epoch{epoch + 1}"
+        directory.mkdir()
+        save_checkpoint(engine, directory, epoch=epoch, identity=identity, rank=0, ema=ema, card=run.card.as_dict())
+        weights[name], weights[f"{name}_ema"] = _snapshot(engine.module), _snapshot(ema.module)
+    save_final_weights(engine, directory, rank=0, ema=ema)
+    log_final_model(run, Result(metrics={"epoch": 2}, checkpoint=Checkpoint.from_directory(directory), error=None,
+                                path=str(run.run_dir)), tracking)
+    with pytest.MonkeyPatch.context() as patch:  # MLflow's registry finds the logged model through the global URI
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        version = mlflow.register_model(f"runs:/{tracking.run_id}/model", REGISTERED)
+    MlflowClient(uri).set_registered_model_alias(REGISTERED, "champion", version.version)
+    logged = tracking.get()
+    return TrainedRun(storage, run.run_dir, uri, tracking.run_id, logged.info.experiment_id,
+                      logged.outputs.model_outputs[0].model_id, run.card, run.run_dir / "checkpoint_epoch1", directory,
+                      weights)
+
+
+def resolve(trained: TrainedRun, given: str, ema: bool = False):
+    return resolve_model_source(given, storage_path=trained.storage, tracking_uri=trained.uri, ema=ema)
+
+
+def assert_same_weights(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == expected.keys()
+    assert all(tensor.device.type == "cpu" for tensor in weights.values())
+    assert all(weights[name].dtype == torch.float32 for name, tensor in expected.items() if tensor.is_floating_point())
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
+
+
+# -- each form of source ------------------------------------------------------------------------------
+
+
+def test_a_run_name_gives_the_runs_final_weights_card_and_mlflow_lineage(trained):
+    source = resolve(trained, "tiny")
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert source.card == trained.card and source.card.class_names == CLASSES
+    assert source.card.preprocessing.crop_ratio == 1.0 and source.card.preprocessing.img_size == 16
+    provenance = source.provenance
+    assert (provenance.given, provenance.kind, provenance.location) == ("tiny", "run_name",
+                                                                        str(trained.final / WEIGHTS_FILE))
+    assert (provenance.tracking_uri, provenance.experiment_id, provenance.run_id, provenance.model_id) == (
+        trained.uri, trained.experiment_id, trained.run_id, trained.model_id)
+
+
+def test_a_run_directory_gives_what_its_name_gives(trained):
+    source = resolve(trained, str(trained.run_dir))
+    assert source.provenance.kind == "run_dir" and source.provenance.model_id == trained.model_id
+    assert_same_weights(source.weights, trained.weights["final"])
+
+
+def test_ema_takes_the_runs_ema_weights(trained):
+    source = resolve(trained, "tiny", ema=True)
+    assert source.provenance.ema and source.provenance.location == str(trained.final / EMA_WEIGHTS_FILE)
+    assert_same_weights(source.weights, trained.weights["final_ema"])
+    assert not torch.equal(source.weights["head.weight"], trained.weights["final"]["head.weight"])
+
+
+def test_a_finished_checkpoint_directory_gives_its_final_weights_and_its_runs_lineage(trained):
+    source = resolve(trained, str(trained.final))
+    assert source.provenance.kind == "checkpoint_dir" and source.provenance.run_id == trained.run_id
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert source.card == trained.card
+
+
+def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_card(trained):
+    source = resolve(trained, str(trained.first))
+    assert source.provenance.location == str(trained.first)
+    assert_same_weights(source.weights, trained.weights["first"])  # fp32 masters = the fp32 module
+    assert source.card == trained.card
+
+
+def test_an_earlier_checkpoints_ema_comes_from_its_deepspeed_state(trained):
+    assert_same_weights(resolve(trained, str(trained.first), ema=True).weights, trained.weights["first_ema"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpoint_of_any_zero_stage_gives_the_engines_weights(single_process_group, tmp_path, stage):
+    import deepspeed
+
+    cfg, engine = _engine([f"deepspeed.zero_stage={stage}", "model.args.depth=1"])
+    _step(engine)
+    save_checkpoint(engine, tmp_path, epoch=0, identity=model_identity(cfg.model, len(CLASSES)), rank=0)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        expected = _snapshot(engine.module)
+    source = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db")
+    assert_same_weights(source.weights, expected)
+    assert source.card.model.args["depth"] == 1 and source.card.class_names is None  # a checkpoint without a card
+    with pytest.raises(InvalidInputError, match="holds no EMA weights"):
+        resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db", ema=True)
+
+
+def test_a_safetensors_file_gives_every_name_of_a_shared_tensor_and_no_card(trained):
+    source = resolve(trained, str(trained.final / WEIGHTS_FILE))
+    assert (source.provenance.kind, source.card) == ("safetensors", None)
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert SHARED_CODE in source.weights
+
+
+def test_a_torch_state_dict_gives_its_weights_or_its_ema(trained, tmp_path):
+    path = tmp_path / "timm_checkpoint.pth"
+    torch.save({"epoch": 2, "state_dict": trained.weights["final"], "state_dict_ema": trained.weights["final_ema"]},
+               path)
+    source = resolve(trained, str(path))
+    assert (source.provenance.kind, source.card) == ("state_dict", None)
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert_same_weights(resolve(trained, str(path), ema=True).weights, trained.weights["final_ema"])
+
+
+def test_a_runs_uri_gives_the_logged_models_weights_card_and_lineage(trained, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = resolve(trained, f"runs:/{trained.run_id}/model")
+    assert list(tmp_path.iterdir()) == []  # downloaded into a temporary directory, removed; no store created here
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert source.card == trained.card
+    provenance = source.provenance
+    assert provenance.kind == "mlflow_run" and provenance.location.endswith(f"/extra_files/{WEIGHTS_FILE}")
+    assert (provenance.tracking_uri, provenance.experiment_id, provenance.run_id, provenance.model_id) == (
+        trained.uri, trained.experiment_id, trained.run_id, trained.model_id)
+
+
+def test_a_registered_version_gives_its_logged_model(trained):
+    source = resolve(trained, f"models:/{REGISTERED}/1")
+    assert_same_weights(source.weights, trained.weights["final"])
+    provenance = source.provenance
+    assert (provenance.kind, provenance.registered_name, provenance.registered_version, provenance.registered_alias,
+            provenance.model_id, provenance.run_id) == ("registered_model", REGISTERED, "1", None, trained.model_id,
+                                                        trained.run_id)
+
+
+def test_a_registered_alias_gives_its_versions_model_and_its_ema(trained):
+    source = resolve(trained, f"models:/{REGISTERED}@champion", ema=True)
+    assert_same_weights(source.weights, trained.weights["final_ema"])
+    assert (source.provenance.registered_version, source.provenance.registered_alias) == ("1", "champion")
+    assert source.card == trained.card
+
+
+def test_a_source_builds_its_model_as_the_logged_pytorch_model_predicts(trained, monkeypatch):
+    images = torch.randn(2, 3, 16, 16)
+    built = resolve(trained, f"models:/{REGISTERED}@champion").build()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", trained.uri)  # not mlflow.set_tracking_uri: it would leak
+    logged = mlflow.pytorch.load_model(f"runs:/{trained.run_id}/model")
+    with torch.no_grad():
+        torch.testing.assert_close(built(images), logged.eval()(images))
+
+
+def test_a_bare_file_cannot_build_a_model(trained):
+    with pytest.raises(InvalidInputError, match="does not say which model"):
+        resolve(trained, str(trained.final / WEIGHTS_FILE)).build()
+
+
+# -- what does not resolve ------------------------------------------------------------------------------
+
+
+def test_a_missing_source_names_the_path_and_the_run_it_looked_for(trained):
+    with pytest.raises(InvalidInputError) as err:
+        resolve(trained, "no-such-run")
+    assert "'no-such-run' does not exist" in str(err.value) and str(trained.storage) in str(err.value)
+
+
+def test_a_directory_that_is_no_run_or_checkpoint_is_named(trained, tmp_path):
+    with pytest.raises(InvalidInputError, match="is neither a vitsweep run .* nor a checkpoint"):
+        resolve(trained, str(tmp_path))
+
+
+def test_an_unfinished_run_points_at_its_newest_checkpoint(trained, tmp_path):
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(trained.first, unfinished / trained.first.name)
+    with pytest.raises(InvalidInputError, match="has not finished: its newest checkpoint .*checkpoint_epoch1"):
+        resolve(trained, str(unfinished))
+
+
+def test_a_truncated_safetensors_file_is_named(trained, tmp_path):
+    truncated = tmp_path / "model.safetensors"
+    truncated.write_bytes((trained.final / WEIGHTS_FILE).read_bytes()[:-100])
+    with pytest.raises(InvalidInputError, match=f"{truncated}.* is not a readable safetensors file"):
+        resolve(trained, str(truncated))
+
+
+def test_a_changed_checkpoint_file_is_named(trained, tmp_path):
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(trained.final, copy)
+    with open(copy / WEIGHTS_FILE, "r+b") as weights:
+        weights.seek(-8, os.SEEK_END)
+        weights.write(b"\x00" * 8)
+    with pytest.raises(CorruptCheckpointError, match=f"{WEIGHTS_FILE}.* does not hash to the SHA-256"):
+        resolve(trained, str(copy))
+
+
+def test_a_pickle_that_needs_code_is_refused_unloaded(trained, tmp_path):
+    pickled = tmp_path / "model.pth"
+    torch.save({"state_dict": trained.weights["final"], "loader": shutil.rmtree}, pickled)
+    with pytest.raises(InvalidInputError, match="is not loadable weights-only, and vitsweep never unpickles code"):
+        resolve(trained, str(pickled))
+
+
+def test_a_state_dict_without_ema_weights_refuses_ema(trained, tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save(trained.weights["final"], path)
+    with pytest.raises(InvalidInputError, match="holds no EMA weights"):
+        resolve(trained, str(path), ema=True)
+
+
+@pytest.mark.parametrize("given, reason", [
+    ("runs:/0123456789abcdef/model", "Run with id=0123456789abcdef not found"),
+    ("models:/no-such-model/1", "name=no-such-model, version=1"),
+    (f"models:/{REGISTERED}/7", f"name={REGISTERED}, version=7"),
+    (f"models:/{REGISTERED}@no-such-alias", "alias no-such-alias not found"),
+])
+def test_an_mlflow_uri_that_does_not_resolve_is_named_with_the_store(trained, given, reason):
+    with pytest.raises(InvalidInputError) as err:
+        resolve(trained, given)
+    assert f"{given!r} does not resolve in MLflow store {trained.uri}" in str(err.value) and reason in str(err.value)
+
+
+def test_a_local_mlflow_store_that_does_not_exist_is_refused_not_created(tmp_path):
+    with pytest.raises(InvalidInputError, match="there is no MLflow store at"):
+        resolve_model_source("runs:/0123/model", storage_path=tmp_path, tracking_uri=f"sqlite:///{tmp_path}/none.db")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_mlflow_model_logged_without_vitsweeps_weights_files_is_named(trained, monkeypatch):
+    run_id = MlflowStore(trained.uri).create_run("vitsweep", "not-vitsweeps").run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", trained.uri)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model", serialization_format="pickle",
+                                 pip_requirements=["torch"])
+    with pytest.raises(InvalidInputError, match=f"MLflow model m-.* was not logged by vitsweep with its weights"):
+        resolve(trained, f"runs:/{run_id}/model")
