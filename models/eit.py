@@ -1,4 +1,4 @@
-"""EIT: efficiently introducing inductive bias to ViT (paper 001, shared/papers/001_*.txt).
+"""EIT: efficiently introducing inductive bias to ViT (paper 001: Xia et al., arXiv:2203.07116).
 
 EIT keeps ViT's pyramid-free backbone (class token, pre-norm blocks, MLP 4C, linear classifier) and
 changes two things:

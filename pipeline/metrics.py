@@ -1,10 +1,13 @@
-"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once."""
+"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once; the
+validation pass that fills them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from timm.utils import distribute_bn
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
 
@@ -43,3 +46,25 @@ class Tally:
             f"{prefix}_top1": 100.0 * self.correct_top1 / n,
             f"{prefix}_top5": 100.0 * self.correct_top5 / n,
         }
+
+
+def average_batchnorm_statistics(model) -> None:
+    """Each rank's BatchNorm running statistics come from its own shard (DeepSpeed never broadcasts
+    buffers): averaged over the ranks (timm's ``train.py``, ``--dist-bn reduce``), so every rank scores
+    the same model, the one a checkpoint saves from rank 0."""
+    if dist.is_available() and dist.is_initialized():
+        distribute_bn(model, dist.get_world_size(), reduce=True)
+
+
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
+    exactly once across ranks, after its BatchNorm statistics are averaged over the ranks."""
+    model.eval()
+    average_batchnorm_statistics(model)
+    tally = Tally()
+    with torch.no_grad():
+        for images, labels, num_real in val_loader:
+            logits = model(images.to(input_dtype)).float()[:num_real]
+            labels = labels[:num_real]
+            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
+    return tally.reduced(device).means("val")

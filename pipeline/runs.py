@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -28,13 +28,14 @@ from typing import Any
 import ray
 import yaml
 from mlflow.exceptions import MlflowException
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
 from safetensors.torch import load_model
 
 import models
 from models.measure import count_gmacs, count_params, params_by_module
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
                                     checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config import ExperimentConfig, ModelConfig
@@ -45,6 +46,7 @@ from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
+from pipeline.lr_scaling import describe_lr, recorded_params
 from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
@@ -170,11 +172,13 @@ def remove_unregistered_checkpoints(run: CheckedRun) -> None:
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
     """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
-    named and skipped; none intact is bad input): it must be this model's."""
-    if not (run_dir / CHECKPOINT_SNAPSHOT).exists():
-        return
-    intact = check_run_checkpoints(run_dir)
+    named and skipped; none intact is bad input): it must be this model's. One stopped before its
+    first checkpoint starts again from epoch 1, which is said."""
+    intact = check_run_checkpoints(run_dir) if (run_dir / CHECKPOINT_SNAPSHOT).exists() else None
     if intact is None:
+        if read_run_record(run_dir) is not None:  # it was started: its MLflow run continues
+            active_console().line(f"run {cfg.run.name} was started before, but no checkpoint was saved: "
+                                  "starting from epoch 1")
         return
     newest = checkpoints_newest_first(run_dir)[0]
     if intact != newest:
@@ -276,8 +280,7 @@ def describe_run(run: CheckedRun) -> str:
             f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px. "
             f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
             f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
-            f"{cfg.deepspeed.precision}, AdamW lr {cfg.optim.lr:g}, global batch "
-            f"{cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * cfg.scaling.num_workers}.")
+            f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
 
 
 def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
@@ -296,6 +299,8 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: st
         facts=run.facts.as_params(),
         tags={**environment_tags(cfg), **run_origin(describe_run(run), source or command_line())},
     )
+    # The rate and global batch it trains at, beside the knob the config gives (optim.lr or optim.lr_per_512).
+    tracking.log_params(recorded_params(cfg.optim, cfg.scaling.num_workers))
     if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
         tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
                                "validation": (run.data.val, run.data.val_sha256)})
@@ -339,32 +344,42 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
 def fit_interruptibly(trainer: TorchTrainer) -> Result:
     """``trainer.fit()`` on a thread, while the main thread turns SIGINT and SIGTERM into ``Interrupted``.
 
-    Ray Train's own SIGINT handler (main thread only) would abort the run into an anonymous actor
-    error, and Ray's SIGTERM handler exits with a stack dump; here either signal ends the run KILLED.
+    Ray Train's own SIGINT handler (installed when fit runs in the main thread) would abort the run
+    into an anonymous actor error; here either signal ends the run KILLED.
     """
-    outcome: dict[str, Any] = {}
+    with interrupts.raised():
+        return interrupts.OnThread(trainer.fit, "vitsweep-fit").result()
 
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as err:  # noqa: BLE001  (re-raised in the main thread below)
-            outcome["error"] = err
 
-    def interrupt(signum: int, frame) -> None:
-        raise Interrupted(signum)
+def failure_reason(err: BaseException) -> str:
+    """Why a run failed, in one line. A worker that was lost (killed, crashed, its node gone, hung) is
+    named with its rank, process and node, and how it ended: the surviving ranks' errors (gloo's or
+    NCCL's broken connection) are what its loss caused, not why the run failed. Otherwise the first
+    failed rank's last error line."""
+    failures = err.worker_failures if isinstance(err, WorkerGroupError) else {}
+    lost = {rank: failure for rank, failure in failures.items()
+            if isinstance(failure, (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError))}
+    if not lost:
+        return error_line(err)
+    rank, failure = min(lost.items())
+    return lost_worker(rank, failure)[:300]
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        fitting = threading.Thread(target=fit, name="vitsweep-fit", daemon=True)
-        fitting.start()
-        while fitting.is_alive():
-            fitting.join(0.2)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+
+def lost_worker(rank: int, failure: Exception) -> str:
+    """'worker rank R (pid P on NODE) died: how', from Ray Train's health-check failure and the actor
+    error it wraps (Ray hands both over as text only)."""
+    text = str(failure)
+    pid, node = re.search(r"\bpid=(\d+)", text), re.search(r"\bnode_ip='([^']+)'", text)
+    where = f" (pid {pid[1]} on {node[1]})" if pid and node else ""
+    if isinstance(failure, WorkerHealthCheckTimeoutError):
+        return f"worker rank {rank}{where} stopped answering Ray Train's health checks"
+    death = re.search(r"The actor is dead because ([^.\n]*)", text)
+    exit_type = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: ([^.\n]*)", text)
+    how = death[1] if death else error_line(failure.health_check_failure)
+    if exit_type:
+        how += f" ({exit_type[1]}{': ' + detail[1] if detail else ''})"
+    return f"worker rank {rank}{where} died: {how}"
 
 
 def error_line(err: BaseException) -> str:
@@ -383,6 +398,13 @@ def end_run(tracking: MlflowRun, status: str, reason: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def record_interrupt(tracking: MlflowRun, stop: Interrupted) -> None:
+    """The MLflow run ends KILLED with the signal as its reason, and the interrupt says so."""
+    end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
+    stop.outcome = (f"MLflow run {tracking.run_id} is marked KILLED; run the same command again to continue "
+                    "from its last checkpoint")
+
+
 def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, record_failure: bool = True) -> Result:
     """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED, with its reason.
 
@@ -396,7 +418,7 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
         else:  # a sweep trial: Tune owns the signals
             result = trainer.fit()
     except Interrupted as stop:
-        end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
+        record_interrupt(tracking, stop)
         raise
     except KeyboardInterrupt:
         end_run(tracking, "KILLED", "interrupted")
@@ -406,9 +428,10 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
             raise
         remove_unregistered_checkpoints(run)  # also frees the space a full disk needs to record the failure
         active_console().library("".join(traceback.format_exception(err)))
-        reason = f"error: {error_line(err)}"
+        reason = f"error: {failure_reason(err)}"
         end_run(tracking, "FAILED", reason)
         raise RunFailed(f"{reason}; MLflow run {tracking.run_id} marked FAILED") from err
+    remove_unregistered_checkpoints(run)  # a worker group restarted mid-report left its half-reported one
     divergence = tracking.diverged_at()
     if divergence:
         end_run(tracking, "FAILED", f"diverged: loss diverged at {divergence}")

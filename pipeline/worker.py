@@ -19,7 +19,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
                                     save_final_weights, use_weights_only_loading)
@@ -32,9 +31,13 @@ from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
-from pipeline.metrics import DIVERGED_KEY, Tally
+from pipeline.lr_scaling import effective_lr
+from pipeline.metrics import DIVERGED_KEY, evaluate
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
+
+
+MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Trainer:
         self.plan = plan
         self.cfg = ExperimentConfig.model_validate(plan.config)
         self.time_to_first_step: float | None = None
+        self.monitor_start: threading.Thread | None = None  # this node's system-metrics monitor (local rank 0)
+        self.monitor = None
 
     def setup(self) -> None:
         # Here, in the worker process only: the driver imports this module to hand `train_worker`
@@ -105,8 +110,10 @@ class Trainer:
         self.device = ray.train.torch.get_device()
         torch.manual_seed(cfg.run.seed + self.rank)
         quiet_numba_finalizers()
-        if context.get_local_rank() == 0:  # one monitor per node, on its own thread: MLflow imports slowly
-            threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),), daemon=True).start()
+        if context.get_local_rank() == 0:  # one monitor per node, started on its own thread: MLflow imports slowly
+            self.monitor_start = threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),),
+                                                  daemon=True)
+            self.monitor_start.start()
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
@@ -123,7 +130,7 @@ class Trainer:
 
         # Model, optimizer, schedule, engine.
         model = build_model(cfg.model, num_classes)
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, self.world_size))
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -159,10 +166,26 @@ class Trainer:
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking import MlflowRun
 
-        MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+        self.monitor = MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+
+    def stop_monitoring(self) -> None:
+        """The node's last system-metrics sample, logged while the run is still open: a run shorter than
+        one sampling interval still has one per node. A store that does not answer never holds the worker up."""
+        if self.monitor_start is not None:
+            self.monitor_start.join(MONITOR_STOP_TIMEOUT_S)
+        if self.monitor is not None:
+            stopping = threading.Thread(target=self.monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(MONITOR_STOP_TIMEOUT_S)
 
     def fit(self) -> None:
         self.setup()
+        try:
+            self.train_epochs()
+        finally:
+            self.stop_monitoring()
+
+    def train_epochs(self) -> None:
         # Epochs count from 1 in everything a person sees (console, MLflow steps, Tune, resumed_at_epoch);
         # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
@@ -252,15 +275,3 @@ class Trainer:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks."""
-    model.eval()
-    tally = Tally()
-    with torch.no_grad():
-        for images, labels, num_real in val_loader:
-            logits = model(images.to(input_dtype)).float()[:num_real]
-            labels = labels[:num_real]
-            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
-    return tally.reduced(device).means("val")

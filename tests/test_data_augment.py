@@ -14,7 +14,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from pipeline.config import AugmentConfig, DataConfig
 from pipeline.data.augment import BatchAugment, RandAugment
 from pipeline.data.loaders import NormalizeToFloat, build_train_loader, train_pipelines
-from pipeline.data.rand_augment import OPS, BatchRandAugment, parse_policy, timm_hparams
+from pipeline.data.rand_augment import OPS, BatchRandAugment, Draws, parse_policy, timm_hparams
 from pipeline.data.sources import DigitsSource
 from pipeline.data.writing import write_beton
 
@@ -154,6 +154,48 @@ def test_the_deit_spec_parses_to_timms_increasing_ops_two_layers_at_half_probabi
     assert policy.ops == tuple(auto_augment._RAND_INCREASING_TRANSFORMS)
     assert (policy.num_layers, policy.prob, policy.magnitude, policy.magnitude_std) == (2, 0.5, 9.0, 0.5)
     assert policy.choice_weights is None and policy.hparams["img_mean"] == (124, 116, 104)
+
+
+# Per sample, three layers of (op, applied, magnitude, sign): colour ops, whose batched results equal
+# PIL's exactly, so a whole chain can be compared pixel for pixel with timm's ops applied in order.
+CHAINS = [
+    [("ColorIncreasing", True, 9.0, 1.0), ("ColorIncreasing", True, 3.0, -1.0), ("SolarizeIncreasing", True, 5.0, 1.0)],
+    [("PosterizeIncreasing", True, 2.0, 1.0), ("Invert", False, 9.0, 1.0), ("ContrastIncreasing", True, 8.0, -1.0)],
+    [("SolarizeAdd", True, 7.0, 1.0), ("BrightnessIncreasing", True, 6.0, 1.0), ("SharpnessIncreasing", True, 9.0, -1.0)],
+    [("Equalize", True, 9.0, 1.0), ("BrightnessIncreasing", True, 9.5, -1.0), ("AutoContrast", True, 9.0, 1.0)],
+    [("ContrastIncreasing", True, 4.0, 1.0), ("SharpnessIncreasing", True, 2.5, 1.0), ("ColorIncreasing", True, 7.0, -1.0)],
+    [("Invert", False, 9.0, 1.0), ("ColorIncreasing", False, 9.0, 1.0), ("Equalize", False, 9.0, 1.0)],
+]
+
+
+def _timm_argument(name: str, magnitude: float, sign: float):
+    """timm's level function at ``magnitude``, with the sign timm's random negation would have drawn."""
+    timm_level = auto_augment.LEVEL_TO_ARG[name]
+    if timm_level is None:
+        return None
+    random.seed(0)
+    outcomes = {timm_level(magnitude, HPARAMS)[0] for _ in range(64)}  # timm negates with Python's random
+    return max(outcomes) if sign > 0 else min(outcomes)
+
+
+def test_each_sample_runs_its_layers_in_order_each_on_the_previous_layers_result():
+    augment = BatchRandAugment("rand-m9-n3-mstd0.5-inc1", 32, MEAN)
+    index = {name: i for i, name in enumerate(augment.policy.ops)}
+    draws = Draws(
+        ops=torch.tensor([[index[op] for op, *_ in chain] for chain in CHAINS]),
+        applied=torch.tensor([[applied for _, applied, *_ in chain] for chain in CHAINS]),
+        magnitudes=torch.tensor([[m for *_, m, _ in chain] for chain in CHAINS], dtype=torch.float64),
+        signs=torch.tensor([[sign for *_, sign in chain] for chain in CHAINS], dtype=torch.float64),
+    )
+    images = [PHOTOS[i % len(PHOTOS)] for i in range(len(CHAINS))]
+    expected = []
+    for image, chain in zip(images, CHAINS):
+        for name, applied, magnitude, sign in chain:
+            if applied:
+                image = _timm_op(name, image.astype(np.uint8), _timm_argument(name, magnitude, sign))
+        expected.append(image)
+    augmented = augment.augment_(_batch_of(images), draws)
+    np.testing.assert_array_equal(augmented.permute(0, 2, 3, 1).numpy(), np.stack(expected))
 
 
 def test_each_sample_draws_its_own_ops():

@@ -50,7 +50,8 @@ def test_write_of_an_imagefolder_warns_about_skipped_files_on_stderr(tmp_path, c
     Image.new("RGB", (8, 8), "red").save(tmp_path / "src" / "cat" / "a.png")
     (tmp_path / "src" / "cat" / "notes.txt").write_text("not an image")
     assert main(["data", "write", str(tmp_path / "src"), str(tmp_path / "x.beton"), "--workers", "1"]) == EXIT_OK
-    assert "warning: skipped 1 non-image file(s)" in capsys.readouterr().err
+    assert f"warning: skipped 1 file(s) under {str(tmp_path / 'src')!r} that are not readable images" in \
+        capsys.readouterr().err
 
 
 def test_inspect_of_a_truncated_file_exits_2_naming_it(tmp_path, capsys):

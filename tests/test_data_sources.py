@@ -72,15 +72,18 @@ def test_class_folder_holding_only_non_images_counts_as_empty(tmp_path):
         ImageFolderSource(tmp_path)
 
 
-def test_non_image_files_are_skipped_and_counted_in_a_warning(tmp_path):
+def test_files_that_are_not_readable_images_are_skipped_and_each_is_named_in_a_warning(tmp_path):
     _save(tmp_path / "cat" / "a.png", _rgb(0))
     _save(tmp_path / "cat" / "b.jpg", _rgb(1), quality=95)
     (tmp_path / "cat" / "README.txt").write_text("hello")
     (tmp_path / "cat" / ".DS_Store").write_bytes(b"\x00\x01junk")
     (tmp_path / "cat" / "fake.jpg").write_bytes(b"this is not a jpeg")
-    with pytest.warns(SkippedFilesWarning, match="skipped 3 non-image"):
+    (tmp_path / "cat" / "d.txt").write_text("more")
+    with pytest.warns(SkippedFilesWarning, match="skipped 4 file") as caught:
         source = ImageFolderSource(tmp_path)
-    assert len(source) == 2 and len(source.skipped) == 3
+    assert len(source) == 2 and len(source.skipped) == 4
+    assert all(f"{tmp_path / 'cat' / name}: not an image" in str(caught[0].message)
+               for name in ("README.txt", ".DS_Store", "fake.jpg", "d.txt"))
 
 
 def _expected_rgb(mode: str, pixels: np.ndarray) -> np.ndarray:
@@ -172,11 +175,14 @@ def test_cifar_label_outside_the_class_range_is_invalid_input_naming_file_and_va
         open_source(str(tmp_path), split="train")
 
 
-@pytest.mark.parametrize("source", ["digits", "cifar"])
+@pytest.mark.parametrize("source", ["digits", "cifar", "imagefolder"])
 def test_sources_with_two_splits_require_choosing_one(tmp_path, source):
     if source == "cifar":
         write_cifar10(tmp_path)
-    with pytest.raises(InvalidInputError, match="--split"):
+    if source == "imagefolder":  # only train/ and val/: splits, which must not become two classes
+        _save(tmp_path / "train" / "a" / "1.png", _rgb(0))
+        _save(tmp_path / "val" / "a" / "1.png", _rgb(1))
+    with pytest.raises(InvalidInputError, match=r"--split \{train,val\}"):
         open_source("digits" if source == "digits" else str(tmp_path))
 
 

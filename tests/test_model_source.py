@@ -49,13 +49,14 @@ def _engine(overrides: list[str]):
     import deepspeed
 
     from pipeline.engine import deepspeed_config
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["scaling.num_workers=1", "model.args.qkv=fsne", "model.args.code_size=8", *overrides])
     torch.manual_seed(0)
     model = build_model(cfg.model, num_classes=len(CLASSES))
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
                                            lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
                                            dist_init_required=False)

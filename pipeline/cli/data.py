@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -72,6 +73,18 @@ def _user_facing() -> None:
     quiet_numba_finalizers()
 
 
+@contextlib.contextmanager
+def _warnings_on_stderr():
+    """The sources' warnings (files left out) as ``warning:`` lines on stderr, when the block ends."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                print(f"warning: {warning.message}", file=sys.stderr)
+
+
 def _write(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -79,8 +92,10 @@ def _write(args: argparse.Namespace) -> int:
     from pipeline.data.sources import DIGITS, open_source
     from pipeline.data.writing import WriteFailedError, write_beton
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
     _user_facing()
+    check_can_create(files={"OUT.beton": args.out})
     if args.img_size is not None and args.source != DIGITS:
         raise InvalidInputError(f"--img-size applies to {DIGITS!r} only; for {args.source!r} use --max-resolution")
     try:
@@ -94,13 +109,10 @@ def _write(args: argparse.Namespace) -> int:
         raise InvalidInputError(problems) from None
     if args.workers is not None and args.workers < 1:
         raise InvalidInputError(f"--workers {args.workers}: need at least 1 writer process")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        source = open_source(args.source, args.split, args.img_size)
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
     try:
-        sidecar = write_beton(source, args.out, options, num_workers=args.workers, overwrite=args.overwrite)
+        with _warnings_on_stderr():
+            source = open_source(args.source, args.split, args.img_size)
+            sidecar = write_beton(source, args.out, options, num_workers=args.workers, overwrite=args.overwrite)
     except WriteFailedError as err:
         print(f"vitsweep data write: {err}", file=sys.stderr)
         return 1
@@ -112,11 +124,18 @@ def _write(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from pipeline.data.inspection import decode_samples, sample_grid, spread_indices
     from pipeline.data.integrity import check_beton
+    from pipeline.config import location_problem
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
     _user_facing()
     if args.samples < 1:
         raise InvalidInputError(f"--samples {args.samples}: need at least 1")
+    problem = location_problem(args.file, kind="file")
+    if problem:
+        raise InvalidInputError(f"FILE.beton: {problem}")
+    grid_path = Path(args.grid or f"{Path(args.file).name.removesuffix('.beton')}_samples.png")
+    check_can_create(files={"--grid": grid_path})
     sidecar = check_beton(args.file, verify_checksum=not args.no_checksum)
     size = sidecar.image_size
     print(f"file      {args.file}")
@@ -133,7 +152,6 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {count}")
     indices = spread_indices(sidecar.num_samples, args.samples)
     images, labels = decode_samples(args.file, indices)
-    grid_path = Path(args.grid or f"{Path(args.file).name.removesuffix('.beton')}_samples.png")
     grid_path.parent.mkdir(parents=True, exist_ok=True)
     sample_grid(images, [sidecar.classes[label] for label in labels]).save(grid_path)
     print(f"saved {len(indices)} decoded samples to {grid_path}")
@@ -145,14 +163,20 @@ def _stage(args: argparse.Namespace) -> int:
 
     from pydantic import TypeAdapter, ValidationError
 
+    from pipeline.config import location_problem
     from pipeline.data.staging import stage_dataset
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
+    problem = location_problem(args.uri, kind="file")
+    if problem:
+        raise InvalidInputError(f"URI_OR_PATH: {problem}")
     streams = DataConfig.model_fields["stage_streams"]  # the flag takes what the config key takes
     try:
         TypeAdapter(Annotated[streams.annotation, streams]).validate_python(args.streams)
     except ValidationError as err:
         raise InvalidInputError(f"--streams {args.streams}: {err.errors(include_url=False)[0]['msg']}") from None
+    check_can_create({"--cache-dir": args.cache_dir})
     print(stage_dataset(args.uri, args.cache_dir, args.streams))
     return 0
 
@@ -160,9 +184,11 @@ def _stage(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.data.prepare import prepare_digits
+    from pipeline.locations import check_can_create
 
     _user_facing()
     cfg = load_config(args.config, args.overrides)
+    check_can_create(files={"data.train": cfg.data.train, "data.val": cfg.data.val})
     train, val = prepare_digits(cfg.data, cfg.model.img_size)
     print(f"digits at {cfg.model.img_size}px: train {train}, val {val}")
     return 0
