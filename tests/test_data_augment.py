@@ -168,6 +168,12 @@ CHAINS = [
 ]
 
 
+def _timm_op(name: str, image: np.ndarray, argument) -> np.ndarray:
+    kwargs = dict(fillcolor=HPARAMS["img_mean"], resample=Image.BICUBIC)
+    arguments = () if argument is None else (argument,)
+    return np.asarray(auto_augment.NAME_TO_OP[name](Image.fromarray(image), *arguments, **kwargs)).astype(int)
+
+
 def _timm_argument(name: str, magnitude: float, sign: float):
     """timm's level function at ``magnitude``, with the sign timm's random negation would have drawn."""
     timm_level = auto_augment.LEVEL_TO_ARG[name]
