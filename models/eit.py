@@ -426,6 +426,12 @@ class EITVisionTransformer(nn.Module):
         return {"cls_token", "pos_embed"}
 
     @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups by depth, as timm's ViT: the stem (patch embedding, class token, position
+        embedding), each layer, the final norm with the last layer; the head follows (layer-wise lr decay)."""
+        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
         return self.head
 

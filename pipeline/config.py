@@ -153,6 +153,12 @@ def _check_directory(location: str | None) -> str | None:
     return location
 
 
+def _check_location(location: str | None) -> str | None:
+    """A file or a directory (``model.init_from`` names either)."""
+    _refuse(location_problem(location))
+    return location
+
+
 class ModelConfig(_Section):
     """Which registered model to build, and the keyword overrides it is built with."""
 
@@ -161,11 +167,32 @@ class ModelConfig(_Section):
     args: dict[str, Any] = Field(default_factory=dict)
     img_size: int = Field(32, ge=8, le=1024)
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    # Trained weights to start from (``pipeline.transfer``), any model source: a run's name under
+    # run.storage_path or its directory, a checkpoint directory, a .safetensors or torch state dict file,
+    # runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS. null: random initialisation.
+    init_from: str | None = Field(None, min_length=1)
+    init_ema: bool = False  # start from the source's EMA weights
+    # fnmatch globs of weights left at their fresh initialisation on purpose (e.g. "head.*": a new head
+    # for another task with the same class count); besides these, the head is new when the class count
+    # differs and position embeddings are resampled to a new token grid.
+    init_exclude: tuple[str, ...] = ()
+    # backbone: a linear probe, only the classifier head (get_classifier()) trains; the rest stays as
+    # loaded and runs in eval mode (no dropout, BatchNorm on its running statistics).
+    freeze: Literal["none", "backbone"] = "none"
+
+    _usable_source = field_validator("init_from")(_check_location)
 
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
         return check_registered(name)
+
+    @model_validator(mode="after")
+    def _init_options_need_a_source(self) -> ModelConfig:
+        if self.init_from is None and (self.init_ema or self.init_exclude):
+            raise ValueError("model.init_ema / model.init_exclude choose what to take from model.init_from, "
+                             "which is not set")
+        return self
 
     @field_validator("args")
     @classmethod
@@ -306,6 +333,9 @@ class OptimConfig(_Section):
     # Exponential moving average of the weights, updated every optimizer step (DeiT: 0.99996);
     # evaluated beside the model each epoch (val_top1_ema, ...). null: no EMA.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+    # Layer-wise learning-rate decay (BEiT's, timm's --layer-decay): the head trains at lr, each layer
+    # below at layer_decay times the one above (groups from the model's group_matcher). null: off.
+    layer_decay: float | None = Field(None, gt=0.0, le=1.0)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
     @model_validator(mode="after")

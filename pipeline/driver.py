@@ -158,6 +158,9 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)
         console.line(f"training {run.run_name}: library output in {console.log_path}")
+        if run.init is not None:
+            run.init.save()  # into the run directory, where every worker reads it
+            console.line(f"  starting from {run.init.plan.summary()}")
         console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
         with interrupts.held():  # the MLflow run is opened whole: a signal meanwhile ends it KILLED below
             tracking = open_tracking(run)

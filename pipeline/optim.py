@@ -1,10 +1,11 @@
-"""Optimisation: AdamW parameter groups and the per-step warmup + cosine schedule (DeiT recipe)."""
+"""Optimisation: AdamW parameter groups (weight decay, layer-wise lr decay) and the per-step warmup +
+cosine schedule (DeiT recipe)."""
 from __future__ import annotations
 
 import math
 
 import torch
-from timm.optim import param_groups_weight_decay
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
@@ -21,9 +22,18 @@ def no_weight_decay_names(model: nn.Module) -> set[str]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """torch's AdamW at rate ``lr``, the run's effective rate (``pipeline.lr_scaling.effective_lr``);
-    DeepSpeed's config optimizer would JIT-compile FusedAdam on CPU."""
-    groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_weight_decay_names(model))
+    """torch's AdamW at rate ``lr``, the run's effective rate (``pipeline.lr_scaling.effective_lr``;
+    DeepSpeed's config optimizer would JIT-compile FusedAdam on CPU), over the trainable parameters;
+    with ``layer_decay``, timm's layer groups (the model's ``group_matcher``), each at lr x its
+    ``lr_scale`` (the schedule then scales every group alike)."""
+    no_decay = no_weight_decay_names(model)
+    if cfg.layer_decay is None:
+        groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_decay)
+    else:
+        groups = param_groups_layer_decay(model, cfg.weight_decay, no_weight_decay_list=no_decay,
+                                          layer_decay=cfg.layer_decay)
+        for group in groups:
+            group["lr"] = lr * group["lr_scale"]
     return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
 
 
@@ -46,7 +56,7 @@ def build_scheduler(
     with the engine."""
     total_steps = cfg.epochs * steps_per_epoch
     peak_lr = optimizer.defaults["lr"]  # the effective rate the optimizer was built with: one source for both
-    # LambdaLR scales each group's base lr (the peak) by the returned factor.
+    # LambdaLR scales each group's base lr (the peak, times its lr_scale under layer decay) by the returned factor.
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, total_steps, steps_per_epoch, cfg, peak_lr) / peak_lr
     )

@@ -5,13 +5,16 @@ One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
 
 1. ``check_run``: everything that can be wrong with the input, before any worker starts (exit 2,
    nothing written): the datasets, the model (built once on the meta device, which also gives its
-   facts), the distillation teacher, the MLflow store, a restarted run's checkpoint.
-2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts.
+   facts), the distillation teacher, the MLflow store, a restarted run's checkpoint, the weights it
+   starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.transfer``).
+2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
+   (and where its initial weights came from: tags, ``init_weights.json``, the source model as an input).
 3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.worker`` on every rank.
 4. ``fit_and_record``: fit; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -52,6 +55,7 @@ from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin,
                                update_run_record)
+from pipeline.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
 from pipeline.worker import WorkerPlan, train_worker
 
 
@@ -111,6 +115,7 @@ class CheckedRun:
     run_name: str
     storage: str  # where Ray Train keeps the run: a local directory or a URI
     tracking_uri: str
+    init: InitialWeights | None = None  # model.init_from, resolved and fitted to the model
 
     @property
     def run_dir(self) -> Path:
@@ -234,8 +239,10 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     require_reachable(tracking_uri)
     check_rerun(Path(storage) / run_name, cfg, tracking_uri)
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
+    init = (resolve_initial_weights(cfg.model, data.num_classes, uris.join(storage, run_name), storage, tracking_uri)
+            if cfg.model.init_from else None)
     MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
-    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri)
+    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri, init)
 
 
 def check_resources(cfg: ExperimentConfig, local: bool) -> None:
@@ -276,8 +283,9 @@ def describe_run(run: CheckedRun) -> str:
     cfg, facts = run.cfg, run.facts
     paper = f", paper {facts.paper}" if facts.paper else ""
     workers = f"{cfg.scaling.num_workers} {'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s)"
+    start = f" Starts from `{run.init.plan.summary()}`." if run.init is not None else ""
     return (f"**{cfg.model.name}** ({facts.family}{paper}{', ' + str(cfg.model.args) if cfg.model.args else ''}): "
-            f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px. "
+            f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px.{start} "
             f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
             f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
             f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
@@ -304,7 +312,35 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: st
     if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
         tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
                                "validation": (run.data.val, run.data.val_sha256)})
+    if run.init is not None:
+        record_initial_weights(tracking, run.init)
     return tracking
+
+
+def record_initial_weights(tracking: MlflowRun, init: InitialWeights) -> None:
+    """Where the run's weights came from, on its MLflow run: ``init.*`` tags (the source as given,
+    its kind, run, logged and registered model; what was loaded, reset, resampled), every weight's
+    fate in ``init_weights.json``, and the source's logged model as an input of the run (MLflow 3's
+    lineage: the run page links to the model, the model to the run that trained it) where both are
+    in one store."""
+    plan, provenance = init.plan, init.plan.provenance
+    registered = (f"{provenance.registered_name}/{provenance.registered_version}"
+                  + (f"@{provenance.registered_alias}" if provenance.registered_alias else "")
+                  if provenance.registered_name else None)
+    tags = {"init.source": provenance.given, "init.kind": provenance.kind, "init.ema": str(provenance.ema),
+            "init.run_id": provenance.run_id, "init.model_id": provenance.model_id, "init.registered_model": registered,
+            "init.summary": _shortened(plan.summary()), "init.loaded": str(len(plan.loaded)),
+            "init.reset": _shortened(", ".join(plan.reset)), "init.resampled": _shortened(", ".join(plan.resampled)),
+            "init.excluded": _shortened(", ".join(plan.excluded))}
+    tracking.set_tags({key: value for key, value in tags.items() if value})
+    tracking.log_texts({PLAN_ARTIFACT: json.dumps(plan.as_dict(), indent=1)})
+    if provenance.model_id and provenance.tracking_uri == tracking.uri:
+        tracking.log_model_input(provenance.model_id)
+
+
+def _shortened(text: str, limit: int = 1000) -> str:
+    """A tag's value within MLflow's limits; the whole list is in init_weights.json."""
+    return text if len(text) <= limit else text[:limit - 40].rsplit(", ", 1)[0] + f", ... (see {PLAN_ARTIFACT})"
 
 
 def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = (),
@@ -314,7 +350,8 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
-                      run.facts.gflops, announce, run.card.as_dict())
+                      run.facts.gflops, announce, run.card.as_dict(),
+                      run.init.for_workers() if run.init is not None else None)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),

@@ -27,7 +27,7 @@ import mlflow.pytorch
 import numpy as np
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import DatasetInput, InputTag, Metric, Param, Run, RunTag
+from mlflow.entities import DatasetInput, InputTag, LoggedModelInput, Metric, Param, Run, RunTag
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
@@ -47,6 +47,7 @@ DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
 # early_stopped: ... for trials their scheduler stopped.
 STOP_REASON_TAG = "stop_reason"
+INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
@@ -312,9 +313,13 @@ class MlflowRun:
         self.log_texts(files)
 
     def log_epoch(self, reported: dict[str, Any]) -> None:
-        """A worker's epoch report, one MLflow step per epoch (epochs count from 1 everywhere)."""
+        """A worker's epoch report, one MLflow step per epoch (epochs count from 1 everywhere); the
+        evaluation of the weights a run started from, before any step (``initial_*``), at step 0."""
         epoch = int(reported["epoch"])
         metrics = {key: value for key, value in reported.items() if key != "epoch" and isinstance(value, (int, float))}
+        initial = {key: metrics.pop(key) for key in list(metrics) if key.startswith(INITIAL_PREFIX)}
+        if initial:
+            self.log_metrics(initial, step=0)
         self.log_metrics({**metrics, "epochs_trained": epoch}, step=epoch)
 
     def mark_diverged(self, where: str) -> None:
@@ -350,6 +355,11 @@ class MlflowRun:
                 extra_files=[str(path) for path in weights], metadata={MLFLOW_METADATA_KEY: card.as_dict()},
             )
         return logged.model_id
+
+    def log_model_input(self, model_id: str) -> None:
+        """An MLflow logged model as an input of this run (once), e.g. the model it was fine-tuned from."""
+        if model_id not in {model.model_id for model in self.get().inputs.model_inputs}:
+            self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
 
     def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
         """MLflow dataset inputs: context ("training", "validation") -> (location, SHA-256 of the file).

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
+REPO = Path(__file__).resolve().parents[1]
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 
@@ -150,6 +151,46 @@ def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> I
 # Set to a value of its own in each background command's environment, which every process it starts
 # (Ray's, however deep, even once orphaned) inherits: how a test finds them all.
 PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
+    venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` and a 2-trial fine-tuning sweep from it.
+    Their store (``./vitsweep-runs``) and each command's output; the MLflow UI check browses the same store."""
+    root = tmp_path_factory.mktemp("readme-finetuning")
+    env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    results = []
+    for command in readme_block("## Fine-tuning"):
+        result = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, env=env,
+                                timeout=1500)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        results.append(result)
+    return root / "vitsweep-runs", results
+
+
+@pytest.fixture
+def screenshots(tmp_path) -> Path:
+    """Where a browser check saves its screenshots: $VITSWEEP_UI_SCREENSHOTS (`make ui-screenshots`), else tmp."""
+    return Path(os.environ.get("VITSWEEP_UI_SCREENSHOTS") or tmp_path)
+
+
+@pytest.fixture
+def browser(server):
+    """Chromium on the test module's ``server`` as a visitor who has dismissed the MLflow Assistant panel;
+    nothing else is preset, so the model-training mode must come from the link."""
+    from webdriver import NO_ASSISTANT_PANEL, Browser
+
+    with Browser(width=1400, height=900) as chromium:
+        chromium.seed_local_storage(server, NO_ASSISTANT_PANEL)
+        yield chromium
 
 
 class RunningVitsweep:

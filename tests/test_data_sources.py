@@ -10,6 +10,8 @@ from pipeline.data.sources import (
     DigitsSource,
     ImageFolderSource,
     SkippedFilesWarning,
+    SmallClassWarning,
+    SubsetSource,
     find_cifar,
     open_source,
 )
@@ -192,3 +194,33 @@ def test_imagefolder_split_selects_the_split_folder(tmp_path):
     _save(tmp_path / "val" / "b" / "1.png", _rgb(2))
     assert len(open_source(str(tmp_path), split="val")) == 2
     assert open_source(str(tmp_path), split="train").classes == ["a"]
+
+
+def test_a_subset_keeps_the_named_classes_relabelled_in_order_and_the_first_images_of_each():
+    digits = DigitsSource("train", 8)
+    subset = SubsetSource(digits, ["7", "2"], per_class=3)
+    assert subset.classes == ["7", "2"] and np.bincount(subset.labels).tolist() == [3, 3]
+    assert [subset.classes[label] for label in subset.labels] == [digits.classes[digits.labels[i]] for i in subset.indices]
+    firsts = [i for i, label in enumerate(digits.labels) if label == 7][:3]
+    assert [i for i, label in zip(subset.indices, subset.labels) if label == 0] == firsts
+    image, label = subset[0]
+    assert label == subset.labels[0] and np.array_equal(image, digits[subset.indices[0]][0])
+    assert (subset.selected_classes, subset.per_class) == (["7", "2"], 3)
+
+
+def test_a_subset_of_every_class_caps_each_and_warns_of_a_class_with_fewer_images():
+    digits = DigitsSource("val", 8)
+    with pytest.warns(SmallClassWarning, match=r"--per-class 36: 2 \(35\), 8 \(35\) hold\(s\) fewer images"):
+        subset = SubsetSource(digits, per_class=36)
+    assert subset.classes == digits.classes and subset.selected_classes is None
+    assert np.bincount(subset.labels).tolist() == [36, 36, 35, 36, 36, 36, 36, 36, 35, 36]
+
+
+@pytest.mark.parametrize("classes, per_class, message", [
+    (["3", "eleven"], None, "--classes eleven: not classes of"),
+    (["3", "3"], None, "names a class twice"),
+    (None, 0, "--per-class 0: need at least 1"),
+])
+def test_a_subset_of_classes_the_source_lacks_is_refused_naming_them(classes, per_class, message):
+    with pytest.raises(InvalidInputError, match=message):
+        SubsetSource(DigitsSource("val", 8), classes, per_class)

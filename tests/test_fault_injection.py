@@ -8,7 +8,6 @@ import socket
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_model

@@ -5,7 +5,6 @@ view drawn as its saved view configures it; its summary page on the parent run.
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
-import os
 import re
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mlflow import MlflowClient
 from conftest import mlflow_server, run_vitsweep, train_command, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
 from test_tune_e2e import tune_command
-from webdriver import NO_ASSISTANT_PANEL, PARALLEL_COORDINATES_JS, Browser
+from webdriver import PARALLEL_COORDINATES_JS
 
 pytestmark = pytest.mark.slow
 
@@ -72,20 +71,6 @@ def runs(store):
     return experiment, demo, sweep, trials
 
 
-@pytest.fixture
-def screenshots(tmp_path) -> Path:
-    return Path(os.environ.get("VITSWEEP_UI_SCREENSHOTS") or tmp_path)
-
-
-@pytest.fixture
-def browser(server):
-    """Chromium as a visitor who has dismissed the MLflow Assistant panel; nothing else is preset, so
-    the model-training mode must come from the link."""
-    with Browser(width=1400, height=900) as chromium:
-        chromium.seed_local_storage(server, NO_ASSISTANT_PANEL)
-        yield chromium
-
-
 def _printed(store, which: str, server: str) -> str:
     """The link the command printed, on this test's server instead of `mlflow ui`'s default address."""
     return store[1][which].replace("http://127.0.0.1:5000", server)
@@ -107,12 +92,14 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
 
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
                                                                              screenshots):
+    _, _, sweep, _ = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.wait_for_text(sweep.info.run_name, "val_top1")
     browser.screenshot(screenshots / "sweep_runs.png")
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
-    assert {"params.`qkv`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
+    assert {"params.`lr`", "params.`layer_decay`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(
+        facts["columns"])
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):

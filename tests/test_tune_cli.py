@@ -9,7 +9,6 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import load_config
 from pipeline.sweeps.runner import RECORD_NAME
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
 from pipeline.tracking import MlflowStore
@@ -174,13 +173,14 @@ def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_pat
 
 
 def test_sweep_record_round_trips_on_a_local_path_and_a_uri(tmp_path):
-    from pipeline.sweeps.runner import read_text, write_text
+    from pipeline.uris import read_bytes, write_bytes
 
-    write_text(str(tmp_path / "a" / "record.json"), "local")
-    write_text(f"file://{tmp_path}/b/record.json", "uri")
-    assert read_text(str(tmp_path / "a" / "record.json")) == "local"
-    assert read_text(f"file://{tmp_path}/b/record.json") == "uri"
-    assert read_text(f"file://{tmp_path}/missing.json") is None
+    write_bytes(str(tmp_path / "a" / "record.json"), b"local")
+    write_bytes(f"file://{tmp_path}/b/record.json", b"uri")
+    assert read_bytes(str(tmp_path / "a" / "record.json")) == b"local"
+    assert read_bytes(f"file://{tmp_path}/b/record.json") == b"uri"
+    assert read_bytes(f"file://{tmp_path}/missing.json") is None
+    assert read_bytes(str(tmp_path / "a" / "record.json"), 3, offset=1) == read_bytes(f"file://{tmp_path}/a/record.json", 3, 1) == b"oca"
 
 
 def test_seeds_are_summarised_per_configuration_as_mean_spread_and_n(tmp_path):

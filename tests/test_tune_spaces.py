@@ -9,7 +9,7 @@ from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_
                                     load_spaces, parse_space)
 
 SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd",
-           "eit_vs_vit_digits"]
+           "eit_vs_vit_digits", "finetune_lr_layer_decay"]
 
 
 def _base(space, preset="smoke"):

@@ -28,6 +28,10 @@ def add_parser(commands) -> None:
                        help="digits and CIFAR: which split (digits: fixed, seeded 80/20); "
                             "ImageFolder: the SOURCE/<split> folder")
     write.add_argument("--img-size", type=int, default=None, metavar="PX", help="digits only: image side (default 32)")
+    write.add_argument("--classes", default=None, metavar="A,B,...",
+                       help="only these classes of SOURCE (its class names), relabelled 0..k-1 in this order")
+    write.add_argument("--per-class", type=int, default=None, metavar="N",
+                       help="at most N images of each class, the first in SOURCE's order (a few-shot set)")
     from pipeline.data.sidecar import FFCV_IMAGENET_WRITE as default  # ffcv-imagenet's settings
 
     write.add_argument("--write-mode", choices=["raw", "jpg", "proportion"], default=default.write_mode,
@@ -89,7 +93,7 @@ def _write(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from pipeline.data.sidecar import WriteOptions
-    from pipeline.data.sources import DIGITS, open_source
+    from pipeline.data.sources import DIGITS, SubsetSource, open_source
     from pipeline.data.writing import WriteFailedError, write_beton
     from pipeline.errors import InvalidInputError
     from pipeline.locations import check_can_create
@@ -109,9 +113,14 @@ def _write(args: argparse.Namespace) -> int:
         raise InvalidInputError(problems) from None
     if args.workers is not None and args.workers < 1:
         raise InvalidInputError(f"--workers {args.workers}: need at least 1 writer process")
+    classes = [name.strip() for name in args.classes.split(",")] if args.classes is not None else None
+    if classes is not None and not all(classes):
+        raise InvalidInputError(f"--classes {args.classes!r}: give class names separated by commas")
     try:
         with _warnings_on_stderr():
             source = open_source(args.source, args.split, args.img_size)
+            if classes is not None or args.per_class is not None:
+                source = SubsetSource(source, classes, args.per_class)
             sidecar = write_beton(source, args.out, options, num_workers=args.workers, overwrite=args.overwrite)
     except WriteFailedError as err:
         print(f"vitsweep data write: {err}", file=sys.stderr)
@@ -142,6 +151,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"integrity ok (structure, size, labels{'' if args.no_checksum else ', sha256'})")
     print(f"source    {sidecar.source.kind} {sidecar.source.location}"
           f"{f' split={sidecar.source.split}' if sidecar.source.split else ''}")
+    if sidecar.source.selected_classes or sidecar.source.per_class:
+        kept = ", ".join(sidecar.source.selected_classes or ["every class"])
+        print(f"subset    {kept}" + (f"; at most {sidecar.source.per_class} images each" if sidecar.source.per_class else ""))
     print(f"samples   {sidecar.num_samples} in {sidecar.num_classes} classes")
     print(f"images    {size.min_width}-{size.max_width} x {size.min_height}-{size.max_height} px "
           f"(mean {size.mean_width:g} x {size.mean_height:g}); stored {sidecar.write.write_mode}"

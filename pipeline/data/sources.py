@@ -30,6 +30,10 @@ class SkippedFilesWarning(UserWarning):
     """Files in an ImageFolder tree that are not readable images were left out of the dataset."""
 
 
+class SmallClassWarning(UserWarning):
+    """A class holds fewer images than ``--per-class`` asked for; all of them were kept."""
+
+
 class ImageSource:
     """An indexable dataset of RGB uint8 images and integer labels, described for the sidecar."""
 
@@ -40,6 +44,8 @@ class ImageSource:
     labels: np.ndarray  # int64, one per sample, in [0, len(classes))
     sizes: np.ndarray  # (N, 2) int: each image's (width, height) as the source stores it
     skipped: list[str]  # files that were not images (ImageFolder only)
+    selected_classes: list[str] | None = None  # SubsetSource: the source's classes kept (None: all)
+    per_class: int | None = None  # SubsetSource: at most this many images of each class
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -320,3 +326,49 @@ class DigitsSource(ImageSource):
 
     def describe(self, index: int) -> str:
         return f"digits {self.split} sample {index}"
+
+
+class SubsetSource(ImageSource):
+    """Some classes of another source and at most ``per_class`` images of each: a small, or few-shot,
+    dataset from any source (e.g. a transfer task: pre-train on some digits, fine-tune on a few images
+    of the others).
+
+    ``classes`` (the source's class names) are kept in the order given and relabelled 0..k-1; None keeps
+    every class. ``per_class`` takes the first images of each class in the source's order (digits: a
+    fixed stratified shuffle), so the same arguments always give the same images; a class with fewer
+    images keeps them all, with a ``SmallClassWarning``.
+    """
+
+    def __init__(self, source: ImageSource, classes: list[str] | None = None, per_class: int | None = None):
+        chosen = list(classes) if classes else list(source.classes)
+        unknown = [name for name in chosen if name not in source.classes]
+        if unknown:
+            raise InvalidInputError(f"--classes {','.join(unknown)}: not classes of {source.location!r}; its classes: "
+                                    f"{', '.join(source.classes)}")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidInputError(f"--classes {','.join(chosen)} names a class twice")
+        if per_class is not None and per_class < 1:
+            raise InvalidInputError(f"--per-class {per_class}: need at least 1 image of each class")
+        label_of = {source.classes.index(name): new for new, name in enumerate(chosen)}
+        taken = np.zeros(len(chosen), dtype=np.int64)
+        indices = []
+        for index, label in enumerate(source.labels):
+            new = label_of.get(int(label))
+            if new is not None and (per_class is None or taken[new] < per_class):
+                taken[new] += 1
+                indices.append(index)
+        short = [f"{name} ({count})" for name, count in zip(chosen, taken) if per_class and count < per_class]
+        if short:
+            warnings.warn(f"--per-class {per_class}: {', '.join(short)} hold(s) fewer images; all of them are kept",
+                          SmallClassWarning, stacklevel=2)
+        self.inner, self.indices = source, np.array(indices, dtype=np.int64)
+        self.kind, self.location, self.split, self.skipped = source.kind, source.location, source.split, source.skipped
+        self.classes, self.selected_classes, self.per_class = chosen, (chosen if classes else None), per_class
+        self.labels = np.array([label_of[int(source.labels[i])] for i in self.indices], dtype=np.int64)
+        self.sizes = source.sizes[self.indices]
+
+    def load_image(self, index: int) -> np.ndarray:
+        return self.inner.load_image(int(self.indices[index]))
+
+    def describe(self, index: int) -> str:
+        return self.inner.describe(int(self.indices[index]))

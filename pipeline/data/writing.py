@@ -104,7 +104,8 @@ def write_beton(
             ),
             write=options,
             source=SourceInfo(kind=source.kind, location=source.location, split=source.split,
-                              skipped_files=len(source.skipped)),
+                              skipped_files=len(source.skipped), selected_classes=source.selected_classes,
+                              per_class=source.per_class),
             ffcv_version=FFCV_VERSION,
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )

@@ -1,12 +1,13 @@
 """Runs a sweep: everything checked first, trials sized to the cluster, Ray Tune, resume.
 
 ``prepare_sweep`` does all the checking (config, space, every trial's model on the meta device,
-the datasets, the MLflow store) and writes nothing but a requested offline dataset.
-``run_sweep`` then starts or joins Ray, sizes the trials to it (``pipeline.sweeps.resources``: a
-cluster may grow, and trials wait for its nodes), opens the MLflow parent run, writes the sweep's
-record and drives ``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an
-interrupted sweep from its record with ``Tuner.restore``: finished trials stay finished, unfinished
-ones continue their Ray Train checkpoint and their MLflow run.
+the datasets, every trial's initial weights, the MLflow store) and writes nothing but a requested
+offline dataset. ``run_sweep`` then starts or joins Ray, sizes the trials to it
+(``pipeline.sweeps.resources``: a cluster may grow, and trials wait for its nodes), opens the MLflow
+parent run, writes the sweep's record and the trials' initial weights (one file per source, read by
+every trial that starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` +
+``run_sweep(resume=True)`` continue an interrupted sweep from its record with ``Tuner.restore``:
+finished trials stay finished, unfinished ones continue their Ray Train checkpoint and their MLflow run.
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
-import pyarrow.fs
 import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -34,7 +34,7 @@ from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.locations import check_can_create, run_directories
 from pipeline.runs import ResolvedData, resolve_data
 from pipeline.sweeps import importance, plots, report, summary, view
-from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
+from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
@@ -44,36 +44,12 @@ from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, Tr
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
                                run_origin)
+from pipeline.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
 TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
-
-
-def _filesystem(location: str):
-    return pyarrow.fs.FileSystem.from_uri(location)
-
-
-def write_text(location: str, text: str) -> None:
-    if not uris.is_uri(location):
-        Path(location).parent.mkdir(parents=True, exist_ok=True)
-        Path(location).write_text(text)
-        return
-    fs, path = _filesystem(location)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as stream:
-        stream.write(text.encode())
-
-
-def read_text(location: str) -> str | None:
-    if not uris.is_uri(location):
-        return Path(location).read_text() if Path(location).is_file() else None
-    fs, path = _filesystem(location)
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as stream:
-        return stream.readall().decode()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,6 +67,9 @@ class Sweep:
     tracking_uri: str
     parent_run_id: str | None = None
     created: float = 0.0
+    # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema); saved
+    # into the sweep directory when it starts (a resumed sweep has them there already).
+    sources: dict[tuple[str, bool], Any] = field(default_factory=dict, repr=False)
 
     @property
     def cfg(self) -> ExperimentConfig:
@@ -161,21 +140,22 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     base_tree = cfg.model_dump(mode="json")
 
     sweep_dir = uris.join(root, name)
-    if read_text(uris.join(sweep_dir, RECORD_NAME)) is not None:
+    if uris.read_bytes(uris.join(sweep_dir, RECORD_NAME)) is not None:
         raise InvalidInputError(f"sweep {name!r} already exists in {sweep_dir}; continue it with "
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
     data = resolve_data(cfg)
-    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created)
+    sources = check_initial_weights(plan.candidates, data.num_classes, tracking_uri)
+    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created, sources=sources)
 
 
 def load_sweep(sweep_dir: str) -> Sweep:
     """An interrupted sweep, from its record (``--resume``)."""
-    text = read_text(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
+    text = uris.read_bytes(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
     if text is None:
         raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
                                 "that `vitsweep tune` printed when it started")
-    record = json.loads(text)
+    record = json.loads(text.decode())
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
     check_can_create(run_directories(cfg, sweep=True))
@@ -206,7 +186,7 @@ def _trainable(sweep: Sweep):
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
                      cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR),
-                     source=command_line())
+                     source=command_line(), init_sources=uris.join(sweep.directory, SWEEP_SOURCES))
     return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
 
 
@@ -289,7 +269,9 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     if not uris.is_uri(sweep.directory):
         console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
     if not resume:
-        write_text(sweep.record_path, sweep.record())
+        uris.write_bytes(sweep.record_path, sweep.record().encode())
+        for (init_from, init_ema), source in sweep.sources.items():
+            save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
         parent.log_params(_sweep_params(sweep, max_concurrent))
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
