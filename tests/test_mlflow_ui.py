@@ -92,8 +92,9 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
 
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
                                                                              screenshots):
+    _, _, _, trials = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.wait_for_text("qkv-sweep", *(run.info.run_name for run in trials), "epochs_trained")  # the rows drawn
     browser.screenshot(screenshots / "sweep_runs.png")
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
