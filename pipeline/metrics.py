@@ -43,3 +43,29 @@ class Tally:
             f"{prefix}_top1": 100.0 * self.correct_top1 / n,
             f"{prefix}_top5": 100.0 * self.correct_top5 / n,
         }
+
+
+class ConfusionTally:
+    """Counts of (true class, predicted class) pairs, summed over ranks like ``Tally``: row i holds the
+    samples of class i, column j those predicted as j (top-1)."""
+
+    def __init__(self, num_classes: int):
+        self.counts = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        pairs = labels.cpu() * self.counts.shape[0] + logits.argmax(dim=1).cpu()
+        self.counts += torch.bincount(pairs, minlength=self.counts.numel()).view_as(self.counts)
+
+    def reduced(self, device: torch.device) -> torch.Tensor:
+        """The counts over every rank (this rank's where torch.distributed is not initialised)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.counts.clone()
+        counts = self.counts.to(device)
+        dist.all_reduce(counts)
+        return counts.cpu()
+
+    @staticmethod
+    def per_class_accuracy(counts: torch.Tensor) -> list[float | None]:
+        """Percent of each class's samples predicted as that class; None for a class with no samples."""
+        return [None if total == 0 else 100.0 * float(counts[i, i]) / float(total)
+                for i, total in enumerate(counts.sum(dim=1).tolist())]

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow.fs
 import ray.train
@@ -252,9 +252,11 @@ class Trainer:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device,
+             observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
     """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks."""
+    exactly once across ranks; ``observe(logits, labels)`` sees each batch's real rows too
+    (``vitsweep evaluate``'s confusion matrix and predictions)."""
     model.eval()
     tally = Tally()
     with torch.no_grad():
@@ -262,4 +264,6 @@ def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device) 
             logits = model(images.to(input_dtype)).float()[:num_real]
             labels = labels[:num_real]
             tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
+            if observe is not None:
+                observe(logits, labels)
     return tally.reduced(device).means("val")

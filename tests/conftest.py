@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,56 @@ def digits16(tmp_path_factory) -> dict[str, Path]:
     data = DataConfig(train=str(root / "train.beton"), val=str(root / "val.beton"))
     train, val = prepare_digits(data, img_size=16)
     return {"train": train, "val": val}
+
+
+DIGITS = tuple(f"digit {i}" for i in range(10))
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """A finished run's MLflow record as training leaves it, around an untrained smoke model."""
+
+    storage: Path
+    uri: str
+    run_id: str
+    model_id: str
+    model: object  # the logged nn.Module, in eval mode
+    data: dict[str, Path]  # the digits16 files it names as its datasets
+
+    @property
+    def model_uri(self) -> str:
+        return f"runs:/{self.run_id}/model"
+
+
+@pytest.fixture(scope="session")
+def logged_run(tmp_path_factory, digits16) -> LoggedRun:
+    """A FINISHED run in a sqlite store with what `vitsweep train` records (description, final metrics at
+    step 1, both datasets) and its model logged by training's own ``MlflowRun.log_model``: random
+    weights of the smoke model (no training: tests check what is done with the weights, not accuracy)."""
+    import torch
+    from safetensors.torch import save_model
+
+    from pipeline.config import load_config
+    from pipeline.data.sidecar import read_sidecar
+    from pipeline.model_card import ModelCard
+    from pipeline.modeling import build_model
+    from pipeline.tracking import MlflowStore, run_origin
+
+    storage = tmp_path_factory.mktemp("logged-run")
+    cfg = load_config("smoke", [f"run.storage_path={storage}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(DIGITS)).eval()
+    save_model(model, str(storage / "model.safetensors"))
+    uri = f"sqlite:///{storage}/mlflow.db"
+    run = MlflowStore(uri).create_run("vitsweep", "logged")
+    run.log_params(cfg.flat())
+    run.set_tags(run_origin("**xcit_nano_12_p8**, untrained.", "vitsweep train --config smoke"))
+    run.log_metrics({"val_top1": 12.5, "val_top5": 50.0, "val_loss": 2.3, "train_loss": 2.31}, step=1)
+    run.log_datasets({context: (str(digits16[split]), read_sidecar(digits16[split]).sha256)
+                      for context, split in (("training", "train"), ("validation", "val"))})
+    model_id = run.log_model(model, [storage / "model.safetensors"], ModelCard.of_run(cfg, len(DIGITS), DIGITS), step=1)
+    run.end("FINISHED", "completed")
+    return LoggedRun(storage, uri, run.run_id, model_id, model, digits16)
 
 
 def free_port() -> int:
