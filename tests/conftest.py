@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +106,16 @@ def train_command(storage: Path, data: dict[str, Path], *overrides: str, config:
     return args
 
 
+def tune_command(storage, data, space, *overrides) -> list[str]:
+    """`vitsweep tune` on the smoke model with one worker per trial, writing only under ``storage``."""
+    args = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",
+            "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=1",
+            "--set", f"data.train={data['train']}", "--set", f"data.val={data['val']}", "--set", "data.prepare=null"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
 def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=vitsweep_env(), timeout=timeout)
 
@@ -184,3 +195,63 @@ def single_process_group():
             dist.destroy_process_group()
             deepspeed_comm.cdb = None  # DeepSpeed's handles on the destroyed group
             deepspeed_groups._WORLD_GROUP = None
+
+
+def readme_block(heading: str) -> list[str]:
+    """The commands of the first ``bash`` block under README's ``heading``, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split(f"\n{heading}\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def readme_shell_env() -> dict[str, str]:
+    """A user's shell for the README's commands: the venv's `vitsweep` and `mlflow` on the PATH."""
+    return {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+AFTER_TRAINING = "## After training"
+AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL = "qkv-sweep", "qkv-best"
+
+
+@dataclass(frozen=True)
+class AfterTraining:
+    """A user's directory after README "After training"'s ``vitsweep`` commands, run verbatim in it
+    (the serving lines are run by the serving test), plus a 2-trial sweep over the QKV embedding in
+    the same store whose best trial `vitsweep tune --register` registered."""
+
+    home: Path
+    commands: dict[str, subprocess.CompletedProcess]  # each README command that ran, by its text
+    sweep: subprocess.CompletedProcess
+
+    @property
+    def storage(self) -> Path:
+        return self.home / "vitsweep-runs"
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.storage / 'mlflow.db'}"
+
+    def command(self, starting: str) -> subprocess.CompletedProcess:
+        """The result of the one README command that starts with ``starting``."""
+        (found,) = [result for command, result in self.commands.items() if command.startswith(starting)]
+        return found
+
+
+@pytest.fixture(scope="session")
+def after_training(tmp_path_factory) -> AfterTraining:
+    home = tmp_path_factory.mktemp("after-training")
+    env, commands = readme_shell_env(), {}
+    for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
+        commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
+                                           text=True, timeout=900)
+        assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
+                                                   commands[command].stderr[-3000:])
+    storage = home / "vitsweep-runs"
+    data = {split: storage / "data" / f"digits_16_{split}.beton" for split in ("train", "val")}
+    space = home / "qkv.yaml"
+    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
+    sweep = run_vitsweep([*tune_command(storage, data, space, "optim.epochs=2", f"tune.name={AFTER_TRAINING_SWEEP}",
+                                        "tune.scheduler=fifo"), "--register", AFTER_TRAINING_SWEEP_MODEL,
+                          "--alias", "best"], timeout=1200)
+    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
+    return AfterTraining(home, commands, sweep)

@@ -38,15 +38,10 @@ def add_parser(commands) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.console import Console, quiet_environment
+    from pipeline.console import command_console
 
-    quiet_environment()  # before the libraries are imported: some read their settings then
-    console = Console(verbose=args.verbose, buffered=True).activate()
-    console.capture_libraries()
-    try:
+    with command_console(args.verbose) as console:
         return _evaluate(args, console)
-    finally:
-        console.close()
 
 
 def _evaluate(args: argparse.Namespace, console) -> int:

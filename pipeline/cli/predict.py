@@ -32,26 +32,22 @@ def add_parser(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
-    from pipeline.console import Console, quiet_environment
+    from pipeline.console import command_console
     from pipeline.data.images import UnreadableImageError
     from pipeline.model_source import resolve_model_source
     from pipeline.prediction import ImageClassifier, classify_files, image_files
     from pipeline.tracking import resolve_tracking_uri
 
-    quiet_environment()
-    console = Console(verbose=False, buffered=True).activate()  # library chatter (MLflow's downloads) is dropped
-    console.capture_libraries()
-    try:
+    with command_console() as console:  # library chatter (MLflow's download bars) stays off the output
         cfg = load_config(args.config, args.overrides).with_absolute_paths()
         files = image_files(args.images)
         source = resolve_model_source(args.source, storage_path=cfg.run.storage_path,
                                       tracking_uri=resolve_tracking_uri(cfg))
         classifier = ImageClassifier.of(source, source.require_card().eval_preprocessing(cfg.data))
         classifier.check_topk(args.topk)
-        found, skipped = [], 0
+        found = []
         for path, outcome in classify_files(classifier, files, args.topk):
             if isinstance(outcome, UnreadableImageError):
-                skipped += 1
                 print(f"vitsweep predict: {outcome}; skipped", file=sys.stderr)
             elif args.json:
                 found.append({"image": str(path), **outcome.as_dict()})
@@ -59,8 +55,6 @@ def _run(args: argparse.Namespace) -> int:
                 found.append(path)
                 console.line(f"{path}: " + ", ".join(f"{label} {probability:.1%}" for label, probability
                                                      in zip(outcome.labels, outcome.probabilities)))
-    finally:
-        console.close()
     if args.json and found:
         print(json.dumps(found, indent=1))
     if not found:
