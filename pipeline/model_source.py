@@ -116,7 +116,8 @@ class ModelSource:
         try:
             model.load_state_dict(self.weights)
         except RuntimeError as err:
-            at = "" if section is self.card.model else f" at img_size {section.img_size} (trained at {self.card.model.img_size})"
+            at = ("" if section is self.card.model
+                  else f" at img_size {section.img_size} (trained at {self.card.model.img_size})")
             raise InvalidInputError(f"model source {given!r}: its weights do not fit its own model "
                                     f"{self.card.model.name}{at} ({err})") from None
         return model.eval()
@@ -371,9 +372,10 @@ def read_logged_model_directory(directory: str | Path, ema: bool = False, given:
     wanted = directory / LOGGED_MODEL_FILES / (EMA_WEIGHTS_FILE if ema else WEIGHTS_FILE)
     card = _logged_card(given, directory / MLMODEL_FILE)
     if card is None or not wanted.is_file():
-        missing = "its card (MLmodel metadata 'vitsweep')" if card is None else f"{LOGGED_MODEL_FILES}/{wanted.name}"
-        raise InvalidInputError(f"model source {given!r}: MLflow model directory {str(directory)!r} has no {missing}; "
-                                "it was not logged by vitsweep" + (" with EMA weights" if ema and card else ""))
+        reason = ("holds no EMA weights: its run trained without optim.ema_decay" if card and ema
+                  else f"was not logged by vitsweep (no card in its MLmodel metadata, or no {LOGGED_MODEL_FILES}/"
+                       f"{WEIGHTS_FILE})")
+        raise InvalidInputError(f"model source {given!r}: MLflow model directory {str(directory)!r} {reason}")
     logged = Model.load(str(directory / MLMODEL_FILE))
     provenance = Provenance(given, "mlflow_model_dir", str(wanted), ema, run_id=logged.run_id,
                             model_id=getattr(logged, "model_id", None))
