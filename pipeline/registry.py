@@ -29,7 +29,6 @@ from pipeline.tracking import (LOGGED_MODEL_NAME, MlflowRun, _fluent_tracking_ur
 
 REPORTED_METRICS = ("val_top1", "val_top5", "val_loss", "val_top1_ema", "val_top5_ema", "val_loss_ema", "train_loss",
                     "epochs_trained")
-SWEEP_RECORD = "vitsweep_sweep.json"  # pipeline.sweeps.runner.RECORD_NAME: a sweep directory's record
 
 
 @dataclass(frozen=True)
@@ -81,11 +80,13 @@ def register_source(given: str, name: str, alias: str | None, cfg: ExperimentCon
 
 def sweep_directory(given: str, cfg: ExperimentConfig) -> str | None:
     """The sweep directory ``given`` names (its path, or its name in the sweeps' storage), if it is one."""
+    from pipeline.sweeps.runner import RECORD_NAME
+
     if given.startswith(("runs:/", "models:/")):
         return None
     root = cfg.tune.storage_path or cfg.run.storage_path
     for candidate in (uris.absolute(given), uris.join(root, given)):
-        if not uris.is_uri(candidate) and (Path(candidate) / SWEEP_RECORD).is_file():
+        if not uris.is_uri(candidate) and (Path(candidate) / RECORD_NAME).is_file():
             return candidate
     return None
 
@@ -93,8 +94,9 @@ def sweep_directory(given: str, cfg: ExperimentConfig) -> str | None:
 def best_trial(given: str, sweep_dir: str) -> tuple[str, str]:
     """(tracking URI, run id) of the sweep's best trial that trained every epoch, by the sweep's metric."""
     from pipeline.sweeps import report
+    from pipeline.sweeps.runner import RECORD_NAME
 
-    record = json.loads((Path(sweep_dir) / SWEEP_RECORD).read_text())
+    record = json.loads((Path(sweep_dir) / RECORD_NAME).read_text())
     tune = validate(record["base_config"]).tune
     uri, parent_id = record["tracking_uri"], record.get("parent_run_id")
     require_reachable(uri)
