@@ -241,17 +241,23 @@ class AfterTraining:
 def after_training(tmp_path_factory) -> AfterTraining:
     home = tmp_path_factory.mktemp("after-training")
     env, commands = readme_shell_env(), {}
+    timings = (home / "commands.log").open("w", buffering=1)  # each command's wall time, for whoever sizes the suite
     for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
+        started = time.monotonic()
         commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
                                            text=True, timeout=900)
+        timings.write(f"{time.monotonic() - started:7.1f} s  {command}\n")
         assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
                                                    commands[command].stderr[-3000:])
     storage = home / "vitsweep-runs"
     data = {split: storage / "data" / f"digits_16_{split}.beton" for split in ("train", "val")}
     space = home / "qkv.yaml"
     space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
+    started = time.monotonic()
     sweep = run_vitsweep([*tune_command(storage, data, space, "optim.epochs=2", f"tune.name={AFTER_TRAINING_SWEEP}",
                                         "tune.scheduler=fifo"), "--register", AFTER_TRAINING_SWEEP_MODEL,
                           "--alias", "best"], timeout=1200)
+    timings.write(f"{time.monotonic() - started:7.1f} s  vitsweep tune (2 trials) --register\n")
+    timings.close()
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
     return AfterTraining(home, commands, sweep)
