@@ -28,7 +28,7 @@ from pipeline import evaluation_report as report
 from pipeline import uris
 from pipeline.config import DataConfig, ExperimentConfig
 from pipeline.console import active_console
-from pipeline.data.integrity import verify_dataset
+from pipeline.data.verification import verify_dataset
 from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import Sidecar
 from pipeline.data.staging import cache_dir_for, stage_dataset

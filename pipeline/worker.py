@@ -110,14 +110,15 @@ class Trainer:
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
+        train, val = (stage_dataset(location, cache_dir, cfg.data.stage_streams)
+                      for location in (cfg.data.train, cfg.data.val))
         distributed = self.world_size > 1
         self.train_loader = build_train_loader(
-            cfg.data, stage_dataset(cfg.data.train, cache_dir), cfg.optim.micro_batch_size, cfg.model.img_size,
+            cfg.data, train, cfg.optim.micro_batch_size, cfg.model.img_size,
             self.device, distributed=distributed, seed=cfg.run.seed,
         )
         self.val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
-            cfg.data, stage_dataset(cfg.data.val, cache_dir), 2 * cfg.optim.micro_batch_size, cfg.model.img_size,
-            self.device, distributed=distributed,
+            cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
         )
 
         # Model, optimizer, schedule, engine.

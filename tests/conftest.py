@@ -82,6 +82,22 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     return LoggedRun(storage, uri, run.run_id, model_id, model, digits16)
 
 
+def copy_with_sidecar(beton: Path, directory: Path, chunk_bytes: int | None = None, flip_at: int | None = None) -> Path:
+    """``beton`` copied into ``directory`` (created), optionally with one byte flipped; its sidecar lists
+    digests of ``chunk_bytes`` chunks of the original, or none (a sidecar written before chunk digests)."""
+    from pipeline.data.sidecar import chunk_sha256s, read_sidecar, write_sidecar
+
+    directory.mkdir()
+    copy = directory / beton.name
+    data = bytearray(beton.read_bytes())
+    if flip_at is not None:
+        data[flip_at] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    chunks = dict(chunk_bytes=chunk_bytes, chunk_sha256=chunk_sha256s(beton, chunk_bytes) if chunk_bytes else None)
+    write_sidecar(copy, read_sidecar(beton).model_copy(update=chunks))
+    return copy
+
+
 def free_port() -> int:
     """A loopback port free now: servers of the tests' own never collide with a user's on the defaults."""
     with socket.socket() as s:

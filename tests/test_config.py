@@ -73,6 +73,7 @@ INVALID = [
     ("crop_scale_above_one", ["data.crop_scale=[0.5, 2.0]"], "data.crop_scale"),
     ("val_crop_ratio_zero", ["data.val_crop_ratio=0"], "data.val_crop_ratio"),
     ("unknown_loader_order", ["data.order=shuffled"], "data.order"),
+    ("no_staging_streams", ["data.stage_streams=0"], "data.stage_streams"),
     ("mixup_prob_above_one", ["data.augment.mixup_prob=1.5"], "data.augment.mixup_prob"),
     ("label_smoothing_of_one", ["data.augment.label_smoothing=1.0"], "data.augment.label_smoothing"),
     ("image_size_too_small", ["model.img_size=2"], "model.img_size"),

@@ -5,8 +5,9 @@ import socket
 
 import pytest
 
+from conftest import copy_with_sidecar
 from pipeline.data.integrity import ChecksumMismatchError, check_beton
-from pipeline.data.sidecar import SidecarError, chunk_sha256s, parse_sidecar, read_sidecar, sidecar_path, write_sidecar
+from pipeline.data.sidecar import SidecarError, chunk_sha256s, parse_sidecar, read_sidecar, sidecar_path
 from pipeline.data.sources import DigitsSource
 from pipeline.config import DataConfig
 from pipeline.data.staging import StagingError, cache_dir_for, read_location_sidecar, stage_dataset
@@ -100,43 +101,28 @@ def test_a_remote_file_that_fails_its_checksum_is_not_staged(remote, tmp_path):
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".lock")] == []
 
 
-def _copy_with_sidecar(remote, directory, chunk_bytes=None, flip_at=None):
-    """``remote`` copied into ``directory``, optionally with one byte flipped; its sidecar lists digests
-    of ``chunk_bytes`` chunks of the original, or none (a sidecar written before chunk digests)."""
-    directory.mkdir()
-    copy = directory / remote.name
-    data = bytearray(remote.read_bytes())
-    if flip_at is not None:
-        data[flip_at] ^= 0xFF
-    copy.write_bytes(bytes(data))
-    chunks = dict(chunk_bytes=chunk_bytes, chunk_sha256=chunk_sha256s(remote, chunk_bytes)) if chunk_bytes else \
-        dict(chunk_bytes=None, chunk_sha256=None)
-    write_sidecar(copy, read_sidecar(remote).model_copy(update=chunks))
-    return copy
-
-
 def test_written_sidecars_list_chunk_digests_that_staging_verifies_in_parallel(remote, tmp_path):
     sidecar = read_sidecar(remote)
     assert sidecar.chunk_sha256 == chunk_sha256s(remote, sidecar.chunk_bytes)
-    local = stage_dataset(uri(_copy_with_sidecar(remote, tmp_path / "bucket", chunk_bytes=1024)), tmp_path / "cache")
+    local = stage_dataset(uri(copy_with_sidecar(remote, tmp_path / "bucket", chunk_bytes=1024)), tmp_path / "cache")
     check_beton(local, verify_checksum=True)
 
 
 def test_a_changed_chunk_is_refused_naming_it(remote, tmp_path):
     middle = remote.stat().st_size // 2  # image bytes: the structure stays valid
-    damaged = _copy_with_sidecar(remote, tmp_path / "bucket", chunk_bytes=1024, flip_at=middle)
+    damaged = copy_with_sidecar(remote, tmp_path / "bucket", chunk_bytes=1024, flip_at=middle)
     chunk = middle // 1024
-    with pytest.raises(ChecksumMismatchError, match=f"first: chunk {chunk}, at byte {chunk * 1024}"):
+    with pytest.raises(ChecksumMismatchError, match=rf"chunk {chunk} \(bytes {chunk * 1024}-{chunk * 1024 + 1023}\)"):
         stage_dataset(uri(damaged), tmp_path / "cache")
     with pytest.raises(ChecksumMismatchError, match=f"first: chunk {chunk}, at byte {chunk * 1024}"):
         check_beton(damaged, verify_checksum=True)
 
 
 def test_a_sidecar_written_before_chunk_digests_is_verified_whole(remote, tmp_path):
-    old = _copy_with_sidecar(remote, tmp_path / "old")
+    old = copy_with_sidecar(remote, tmp_path / "old")
     assert read_sidecar(old).chunk_sha256 is None
     check_beton(stage_dataset(uri(old), tmp_path / "cache"), verify_checksum=True)
-    damaged = _copy_with_sidecar(remote, tmp_path / "damaged", flip_at=remote.stat().st_size // 2)
+    damaged = copy_with_sidecar(remote, tmp_path / "damaged", flip_at=remote.stat().st_size // 2)
     with pytest.raises(ChecksumMismatchError, match="has SHA-256"):
         stage_dataset(uri(damaged), tmp_path / "other-cache")
     with pytest.raises(ChecksumMismatchError, match="has SHA-256"):

@@ -6,8 +6,9 @@ import os
 import fsspec
 import pytest
 
-from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError, verify_dataset, verified_record_path
+from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError
 from pipeline.data.sidecar import sidecar_path
+from pipeline.data.verification import verify_dataset, verified_record_path
 
 
 @pytest.fixture

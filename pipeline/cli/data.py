@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
+from pipeline.config import DataConfig
 
 SOURCE_HELP = "an ImageFolder directory (one folder per class), a CIFAR-10/100 python-pickle directory, or 'digits'"
 
@@ -56,6 +57,9 @@ def add_parser(commands) -> None:
     stage = actions.add_parser("stage", help="Copy a dataset URI once into this node's cache; print the local path.")
     stage.add_argument("uri", metavar="URI_OR_PATH", help="s3://, gs://, file://, ... or a local path (used in place)")
     stage.add_argument("--cache-dir", required=True, metavar="DIR", help="node-local directory for staged copies")
+    streams = DataConfig.model_fields["stage_streams"]
+    stage.add_argument("--streams", type=int, default=streams.default, metavar="N",
+                       help=f"byte ranges read at once, as data.stage_streams (default {streams.default})")
     stage.set_defaults(run=_stage)
 
     prepare = actions.add_parser(
@@ -146,9 +150,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stage(args: argparse.Namespace) -> int:
-    from pipeline.data.staging import stage_dataset
+    from typing import Annotated
 
-    print(stage_dataset(args.uri, args.cache_dir))
+    from pydantic import TypeAdapter, ValidationError
+
+    from pipeline.data.staging import stage_dataset
+    from pipeline.errors import InvalidInputError
+
+    streams = DataConfig.model_fields["stage_streams"]  # the flag takes what the config key takes
+    try:
+        TypeAdapter(Annotated[streams.annotation, streams]).validate_python(args.streams)
+    except ValidationError as err:
+        raise InvalidInputError(f"--streams {args.streams}: {err.errors(include_url=False)[0]['msg']}") from None
+    print(stage_dataset(args.uri, args.cache_dir, args.streams))
     return 0
 
 

@@ -6,7 +6,9 @@ One concern per module:
 - ``writing``   ``write_beton``: parallel, atomic writes of a source into a ``.beton`` and its sidecar
 - ``sidecar``   the JSON beside each ``.beton``: classes, counts, sizes, write options, SHA-256
 - ``integrity`` ``check_beton``: a ``.beton`` is whole and matches its sidecar, before training starts
+- ``verification`` ``verify_dataset``: a dataset anywhere checked against its sidecar, once per machine
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
+- ``ranged_copy`` ``copy_verified_ranges``: parallel ranged reads, each chunk verified as it lands
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
 - ``augment``   DeiT's recipe: RandAugment in the FFCV pipeline, ``BatchAugment`` on the device
 - ``rand_augment`` timm's RandAugment batched on torch ops (per-sample ops and magnitudes)
