@@ -147,6 +147,13 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def readme_block(heading: str) -> list[str]:
+    """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 
@@ -211,69 +218,3 @@ def single_process_group():
             dist.destroy_process_group()
             deepspeed_comm.cdb = None  # DeepSpeed's handles on the destroyed group
             deepspeed_groups._WORLD_GROUP = None
-
-
-def readme_block(heading: str) -> list[str]:
-    """The commands of the first ``bash`` block under README's ``heading``, continuation lines joined."""
-    section = (REPO / "README.md").read_text().split(f"\n{heading}\n", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
-    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-def readme_shell_env() -> dict[str, str]:
-    """A user's shell for the README's commands: the venv's `vitsweep` and `mlflow` on the PATH."""
-    return {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-
-
-AFTER_TRAINING = "## After training"
-AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL = "qkv-sweep", "qkv-best"
-
-
-@dataclass(frozen=True)
-class AfterTraining:
-    """A user's directory after README "After training"'s ``vitsweep`` commands, run verbatim in it
-    (the serving lines are run by the serving test), plus a 2-trial sweep over the QKV embedding in
-    the same store whose best trial `vitsweep tune --register` registered."""
-
-    home: Path
-    commands: dict[str, subprocess.CompletedProcess]  # each README command that ran, by its text
-    sweep: subprocess.CompletedProcess
-
-    @property
-    def storage(self) -> Path:
-        return self.home / "vitsweep-runs"
-
-    @property
-    def uri(self) -> str:
-        return f"sqlite:///{self.storage / 'mlflow.db'}"
-
-    def command(self, starting: str) -> subprocess.CompletedProcess:
-        """The result of the one README command that starts with ``starting``."""
-        (found,) = [result for command, result in self.commands.items() if command.startswith(starting)]
-        return found
-
-
-@pytest.fixture(scope="session")
-def after_training(tmp_path_factory) -> AfterTraining:
-    home = tmp_path_factory.mktemp("after-training")
-    env, commands = readme_shell_env(), {}
-    timings = (home / "commands.log").open("w", buffering=1)  # each command's wall time, for whoever sizes the suite
-    for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
-        started = time.monotonic()
-        commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
-                                           text=True, timeout=900)
-        timings.write(f"{time.monotonic() - started:7.1f} s  {command}\n")
-        assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
-                                                   commands[command].stderr[-3000:])
-    storage = home / "vitsweep-runs"
-    data = {split: storage / "data" / f"digits_16_{split}.beton" for split in ("train", "val")}
-    space = home / "qkv.yaml"
-    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
-    started = time.monotonic()
-    sweep = run_vitsweep([*tune_command(storage, data, space, "optim.epochs=2", f"tune.name={AFTER_TRAINING_SWEEP}",
-                                        "tune.scheduler=fifo"), "--register", AFTER_TRAINING_SWEEP_MODEL,
-                          "--alias", "best"], timeout=1200)
-    timings.write(f"{time.monotonic() - started:7.1f} s  vitsweep tune (2 trials) --register\n")
-    timings.close()
-    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
-    return AfterTraining(home, commands, sweep)

@@ -1,4 +1,4 @@
-"""README "After training", run verbatim (conftest's ``after_training``: train, evaluate, register, evaluate the
+"""README "After training", run verbatim (the ``after_training`` fixture: train, evaluate, register, evaluate the
 registered model's EMA on 2 Ray workers, export the validation images, predict; the sweep's `--register`): the
 evaluation of a run's own validation set gives exactly its final val_top1 (and its EMA's), prediction agrees
 with evaluation image by image, the registry round-trip carries the run's metrics and dataset, and the
@@ -11,22 +11,81 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import (AFTER_TRAINING, AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL, free_port, readme_block,
-                      readme_shell_env, wait_for)
+from conftest import free_port, readme_block, run_vitsweep, tune_command, vitsweep_env, wait_for
 from pipeline.cli import main
 from pipeline.data.sidecar import read_sidecar
 
 pytestmark = pytest.mark.slow
 
 RUN, REGISTERED, VAL = "xcit-digits", "digits-classifier", "vitsweep-runs/data/digits_16_val.beton"
+AFTER_TRAINING = "## After training"
+AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL = "qkv-sweep", "qkv-best"
+
+
+def readme_shell_env() -> dict[str, str]:
+    """A user's shell for the README's commands: the venv's `vitsweep` and `mlflow` on the PATH."""
+    return {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+@dataclass(frozen=True)
+class AfterTraining:
+    """A user's directory after README "After training"'s ``vitsweep`` commands, run verbatim in it
+    (the serving lines are run by the serving test), plus a 2-trial, 1-epoch sweep over the QKV
+    embedding in the same store whose best trial `vitsweep tune --register` registered."""
+
+    home: Path
+    commands: dict[str, subprocess.CompletedProcess]  # each README command that ran, by its text
+    sweep: subprocess.CompletedProcess
+
+    @property
+    def storage(self) -> Path:
+        return self.home / "vitsweep-runs"
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.storage / 'mlflow.db'}"
+
+    def command(self, starting: str) -> subprocess.CompletedProcess:
+        """The result of the one README command that starts with ``starting``."""
+        (found,) = [result for command, result in self.commands.items() if command.startswith(starting)]
+        return found
+
+
+@pytest.fixture(scope="module")
+def after_training(tmp_path_factory) -> AfterTraining:
+    home = tmp_path_factory.mktemp("after-training")
+    env, commands = readme_shell_env(), {}
+    timings = (home / "commands.log").open("w", buffering=1)  # each command's wall time, for whoever sizes the suite
+    for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
+        started = time.monotonic()
+        commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
+                                           text=True, timeout=900)
+        timings.write(f"{time.monotonic() - started:7.1f} s  {command}\n")
+        assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
+                                                   commands[command].stderr[-3000:])
+    storage = home / "vitsweep-runs"
+    data = {split: storage / "data" / f"digits_16_{split}.beton" for split in ("train", "val")}
+    space = home / "qkv.yaml"
+    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
+    started = time.monotonic()
+    sweep = run_vitsweep([*tune_command(storage, data, space, "optim.epochs=1", f"tune.name={AFTER_TRAINING_SWEEP}",
+                                        "tune.scheduler=fifo"), "--register", AFTER_TRAINING_SWEEP_MODEL,
+                          "--alias", "best"], timeout=1200)
+    timings.write(f"{time.monotonic() - started:7.1f} s  vitsweep tune (2 trials) --register\n")
+    timings.close()
+    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
+    return AfterTraining(home, commands, sweep)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """MLflow's UI (3.17, a real `mlflow server` on loopback) in headless Chromium, opened by the links
 vitsweep gives: a training run and a sweep's trials read as model-training runs (the runs table, not
-the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the logged model's
-page lists its evaluations (`vitsweep evaluate`) with their dataset, and its registered version.
+the GenAI "Overview"), with the sweep's knobs as columns and on the compare page.
+
+The training run's logged model, evaluated and registered as README "After training" does, lists on
+its page the evaluation (its dataset and metrics) and the registered model it is a version of.
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
@@ -17,26 +19,31 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, vitsweep_env, wait_for
+from conftest import free_port, run_vitsweep, train_command, vitsweep_env, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
+from test_tune_e2e import tune_command
 from webdriver import NO_ASSISTANT_PANEL, Browser
 
 pytestmark = pytest.mark.slow
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
-TRAINING_RUN = "xcit-digits"  # README "After training"'s run
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
 
 
 @pytest.fixture(scope="module")
-def store(after_training) -> tuple[Path, dict[str, str]]:
-    """What a user has after README "After training" and a small sweep: a 2-epoch training run, its
-    evaluations and registered model, a 2-trial grid over the QKV embedding (kept small: 2 cores); and
-    the UI links the training run and the sweep printed."""
-    train = after_training.command("vitsweep train")
-    links = {"demo": PRINTED_LINK.search(train.stdout).group(1),
-             "sweep": PRINTED_LINK.search(after_training.sweep.stdout).group(1)}
-    return after_training.storage, links
+def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
+    """A store holding what a user has after `make demo` and a small sweep: a 2-epoch training run
+    and a 2-trial grid over the QKV embedding (kept small: 2 cores); and the UI links each printed."""
+    storage = tmp_path_factory.mktemp("ui-store")
+    demo = run_vitsweep(train_command(storage, digits16, "optim.epochs=2", "run.name=demo"))
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    space = storage / "qkv.yaml"
+    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
+    sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
+                                      "tune.scheduler=fifo"), timeout=1200)
+    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
+    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
+    return storage, links
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,7 @@ def runs(store):
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
-    [demo] = [run for run in found if run.info.run_name == TRAINING_RUN]
+    [demo] = [run for run in found if run.info.run_name == "demo"]
     [sweep] = [run for run in found if role(run) == "sweep"]
     trials = [run for run in found if role(run) == "trial"]
     assert len(trials) == 2
@@ -112,6 +119,39 @@ def _printed(store, which: str, server: str) -> str:
     return store[1][which].replace("http://127.0.0.1:5000", server)
 
 
+REGISTERED = "ui-classifier"
+
+
+@pytest.fixture(scope="module")
+def evaluated(store, runs):
+    """The training run's model evaluated on its validation set and registered, by the commands themselves
+    in this process (a few seconds: no training); the evaluation's MLflow run."""
+    from pipeline.cli import main
+    from pipeline.evaluation import ROLE, ROLE_TAG
+
+    storage, _ = store
+    experiment, trained, _, _ = runs
+    source, settings = f"runs:/{trained.info.run_id}/model", ["--set", f"run.storage_path={storage}"]
+    assert main(["evaluate", source, "--data", trained.data.params["data.val"], *settings]) == 0
+    assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
+    (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}'")
+    return evaluation
+
+
+def test_the_logged_models_page_lists_its_evaluation_on_its_dataset_and_its_registered_model(
+        server, store, runs, evaluated, browser, screenshots):
+    experiment, trained, _, _ = runs
+    (output,) = MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").get_run(trained.info.run_id).outputs.model_outputs
+    assert evaluated.data.tags["vitsweep.source_model_id"] == output.model_id
+    data_name = Path(trained.data.params["data.val"]).name
+    browser.open(f"{server}/#/experiments/{experiment}/models/{output.model_id}?workflowType=machine_learning")
+    browser.wait_for_text(evaluated.info.run_name, data_name, REGISTERED)
+    browser.screenshot(screenshots / "model_page.png")
+    text = browser.facts()["text"]
+    assert "val_top1" in text and "champion" in text  # the evaluation's metrics; the version's alias
+
+
 def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(server, store, runs, browser,
                                                                                screenshots):
     _, demo, _, _ = runs
@@ -121,7 +161,7 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     browser.wait_for_text("Overview", "Parameters", "val_top1")
     browser.screenshot(screenshots / "demo_run.png")
     facts = browser.facts()
-    assert facts["heading"] == TRAINING_RUN
+    assert facts["heading"] == "demo"
     assert "Model registry" in facts["text"]  # the model-training sidebar
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
@@ -143,17 +183,3 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.screenshot(screenshots / "sweep_compare.png")
     text = browser.facts()["text"]
     assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
-
-
-def test_the_logged_models_page_lists_its_evaluations_on_their_dataset(server, runs, store, browser, screenshots):
-    experiment, demo, _, _ = runs
-    client = MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}")
-    (output,) = client.get_run(demo.info.run_id).outputs.model_outputs
-    evaluations = client.search_runs([experiment], "tags.`vitsweep.role` = 'evaluation'")
-    assert {run.data.tags["vitsweep.source_model_id"] for run in evaluations} == {output.model_id}
-    browser.open(f"{server}/#/experiments/{experiment}/models/{output.model_id}?workflowType=machine_learning")
-    browser.wait_for_text("digits_16_val.beton", "val_top1_ema", "digits-classifier")
-    browser.screenshot(screenshots / "model_page.png")
-    text = browser.facts()["text"]
-    assert {run.info.run_name for run in evaluations} <= set(text.splitlines())  # each evaluation, by its run
-    assert "val_top1" in text and "digits-classifier" in text  # the registered model it is a version of
