@@ -20,6 +20,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timm.utils import distribute_bn
 
 from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
                                     save_final_weights, use_weights_only_loading)
@@ -228,6 +229,13 @@ class Trainer:
                      f"{stats.samples / max(seconds, 1e-9):.0f} img/s  eta {_duration(eta)}")
 
     def evaluate(self) -> dict[str, float]:
+        if self.world_size > 1:
+            # Each rank's BatchNorm statistics follow its own shard (DeepSpeed, unlike DDP, never broadcasts
+            # buffers): averaged over the ranks first (timm's distribute_bn), so that every rank evaluates,
+            # and rank 0 checkpoints, one and the same model.
+            distribute_bn(self.engine.module, self.world_size, reduce=True)
+            if self.ema is not None:
+                distribute_bn(self.ema.module, self.world_size, reduce=True)
         metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
         if self.ema is not None:  # the fp32 shadow, run in the training precision
             with self.autocast:
