@@ -132,7 +132,8 @@ def evaluated(store, runs):
     storage, _ = store
     experiment, trained, _, _ = runs
     source, settings = f"runs:/{trained.info.run_id}/model", ["--set", f"run.storage_path={storage}"]
-    assert main(["evaluate", source, "--data", trained.data.params["data.val"], *settings]) == 0
+    data = storage.parent / trained.data.params["data.val"]  # a relative path is the user directory's (the store's parent)
+    assert main(["evaluate", source, "--data", str(data), *settings]) == 0
     assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}'")
