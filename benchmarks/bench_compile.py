@@ -23,6 +23,7 @@ def build_engine(model_name: str, img_size: int, batch: int, compiled: bool):
 
     from pipeline.config import load_config
     from pipeline.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer
 
@@ -30,7 +31,8 @@ def build_engine(model_name: str, img_size: int, batch: int, compiled: bool):
                                 f"optim.micro_batch_size={batch}", f"deepspeed.compile={compiled}"])
     torch.manual_seed(0)
     model = build_model(cfg.model, num_classes=10)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, world_size=1))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=deepspeed_config(cfg, world_size=1), dist_init_required=False)
     keep_batchnorm_in_fp32(engine.module)
     compile_engine(engine, cfg)

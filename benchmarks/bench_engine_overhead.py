@@ -31,13 +31,15 @@ def bare_step_times(model_cfg: dict, optim_cfg: dict, steps: int, warmup: int, b
     import torch.nn.functional as F
 
     from pipeline.config import ModelConfig, OptimConfig
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(ModelConfig(**model_cfg), num_classes=10)
-    optimizer = build_optimizer(model, OptimConfig(**optim_cfg))
+    optim = OptimConfig(**optim_cfg)
+    optimizer = build_optimizer(model, optim, effective_lr(optim, world_size=1))
     times = []
     for i, (images, labels) in enumerate(make_batches(warmup + steps, batch, model_cfg["img_size"], 10)):
         start = time.perf_counter()
@@ -58,6 +60,7 @@ def ray_worker(config: dict) -> None:
 
     from pipeline.config import ExperimentConfig
     from pipeline.engine import deepspeed_config
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer
 
@@ -65,7 +68,7 @@ def ray_worker(config: dict) -> None:
     torch.manual_seed(0)
     cfg = ExperimentConfig.model_validate(config["experiment"])
     model = build_model(cfg.model, num_classes=10)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, world_size=1))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
                                            dist_init_required=False)
     times = []

@@ -122,6 +122,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader
     from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
@@ -134,7 +135,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     ])
     loader = build_train_loader(cfg.data, beton, cfg.optim.micro_batch_size, cfg.model.img_size, device, seed=0)
     net = build_model(cfg.model, NUM_CLASSES)
-    optimizer = build_optimizer(net, cfg.optim)
+    optimizer = build_optimizer(net, cfg.optim, effective_lr(cfg.optim, world_size=1))
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch=len(loader))
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size=1), dist_init_required=False)

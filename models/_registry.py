@@ -19,7 +19,7 @@ from timm.models import build_model_with_cfg, get_pretrained_cfg, register_model
 class PaperFacts:
     """What a paper reports for one model row (``None`` where the paper is silent)."""
 
-    paper: str  # id of the paper in shared/papers, e.g. "003" (XCiT)
+    paper: str  # the paper's id in README "Papers", e.g. "003" (XCiT)
     family: str  # architecture family, e.g. "xcit", "vit", "eit", "sot"
     params: float | None = None  # reported parameter count (absolute, e.g. 3.1e6)
     gflops: float | None = None  # reported GFLOPs as printed, counted as flop_ops / flops_per_mac say
@@ -55,11 +55,21 @@ def cfg_without_weights(**overrides) -> dict:
     }
 
 
+def check_depth(model_cls: type, variant: str, depth) -> None:
+    """Every family stacks ``depth`` blocks: fewer than one would build a model without a transformer
+    (timm builds that silently, with only embedding and head)."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth={depth!r} is out of range for {variant}: {model_cls.__name__} stacks `depth` "
+                         "blocks, so depth must be an integer >= 1")
+
+
 def build_without_weights(model_cls: type, variant: str, pretrained: bool, model_args: dict, **kwargs):
     """``model_cls(**model_args, **kwargs)`` by timm's builder, for a variant with no released weights."""
     if pretrained:
         raise ValueError(f"pretrained=True: the paper released no weights for {variant}; use pretrained=False")
-    return build_model_with_cfg(model_cls, variant, pretrained=False, **dict(model_args, **kwargs))
+    model_args = dict(model_args, **kwargs)
+    check_depth(model_cls, variant, model_args.get("depth", 1))
+    return build_model_with_cfg(model_cls, variant, pretrained=False, **model_args)
 
 
 def build_on_timm_architecture(
@@ -68,6 +78,7 @@ def build_on_timm_architecture(
 
     ``pretrained=True`` loads timm's weights, which fit only the unmodified model (qkv='linear', head='linear').
     """
+    check_depth(model_cls, variant, kwargs.get("depth", 1))
     qkv, head = kwargs.get("qkv", "linear"), kwargs.get("head", "linear")
     if pretrained and (qkv != "linear" or head != "linear"):
         raise ValueError(

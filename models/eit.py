@@ -1,4 +1,4 @@
-"""EIT: efficiently introducing inductive bias to ViT (paper 001, shared/papers/001_*.txt).
+"""EIT: efficiently introducing inductive bias to ViT (paper 001: Xia et al., arXiv:2203.07116).
 
 EIT keeps ViT's pyramid-free backbone (class token, pre-norm blocks, MLP 4C, linear classifier) and
 changes two things:
@@ -424,6 +424,12 @@ class EITVisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"cls_token", "pos_embed"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups by depth, as timm's ViT: the stem (patch embedding, class token, position
+        embedding), each layer, the final norm with the last layer; the head follows (layer-wise lr decay)."""
+        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 import re
+import tempfile
 from pathlib import Path
 import typing
 from typing import Any, Literal
@@ -90,12 +92,15 @@ def uri_password_problem(uri: str) -> str | None:
             "(or MLFLOW_TRACKING_TOKEN) for an MLflow server, PGPASSWORD / ~/.pgpass for a PostgreSQL store")
 
 
-def location_problem(location: str | None, directory: bool = False) -> str | None:
-    """Why a data or storage location cannot be used as given, else None: a URI carrying a
-    credential, or a local path below an existing file (nothing could ever be created there), or
-    (``directory``) itself an existing file."""
+def location_problem(location: str | Path | None, kind: Literal["file", "directory"] | None = None,
+                     create: bool = False) -> str | None:
+    """Why a local path or URI cannot be used as given, else None: a URI carrying a credential; a local
+    path below an existing file (nothing can ever be created there); an existing path of the wrong
+    ``kind`` (a directory given for a file, or a file for a directory); with ``create``, a path where
+    this process cannot create or write a directory (a read-only or virtual filesystem, no permission)."""
     if location is None:
         return None
+    location = str(location)
     if uris.is_uri(location):
         credential = uris.credentials_in(location)
         if credential:
@@ -104,11 +109,31 @@ def location_problem(location: str | None, directory: bool = False) -> str | Non
                     "GOOGLE_APPLICATION_CREDENTIALS variables, ~/.netrc, or fsspec's config)")
         return None
     path = Path(location).expanduser().absolute()
-    if directory and path.exists() and not path.is_dir():
+    if kind == "directory" and path.exists() and not path.is_dir():
         return f"{str(path)!r} is a file, and a directory is needed here; choose another path"
+    if kind == "file" and path.is_dir():
+        return f"{str(path)!r} is a directory, and a file is needed here; name the file inside it"
     blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
         return f"{str(blocking)!r} is a file, so nothing can exist below it; choose a path under a directory"
+    if create:
+        return _creation_problem(path.parent if kind == "file" else path)
+    return None
+
+
+def _creation_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created or written in, found by creating (and removing at once) a
+    directory in it or its nearest existing ancestor: root passes every permission check, yet cannot
+    create anything in /proc or on a read-only mount."""
+    existing = next(candidate for candidate in (directory, *directory.parents) if candidate.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vitsweep-probe-", dir=existing))
+    except OSError as err:
+        reason = err.strerror or str(err)
+        if existing == directory:
+            return f"{str(directory)!r} is not writable: the system refuses to create anything in it ({reason})"
+        return (f"{str(directory)!r} cannot be created: the system refuses to create a directory in "
+                f"{str(existing)!r} ({reason})")
     return None
 
 
@@ -118,13 +143,19 @@ def _refuse(problem: str | None) -> None:
         raise PydanticCustomError(SECRET_VALUE_ERROR, problem)
 
 
-def _check_location(location: str | None) -> str | None:
-    _refuse(location_problem(location))
+def _check_file(location: str | None) -> str | None:
+    _refuse(location_problem(location, kind="file"))
     return location
 
 
 def _check_directory(location: str | None) -> str | None:
-    _refuse(location_problem(location, directory=True))
+    _refuse(location_problem(location, kind="directory"))
+    return location
+
+
+def _check_location(location: str | None) -> str | None:
+    """A file or a directory (``model.init_from`` names either)."""
+    _refuse(location_problem(location))
     return location
 
 
@@ -136,11 +167,32 @@ class ModelConfig(_Section):
     args: dict[str, Any] = Field(default_factory=dict)
     img_size: int = Field(32, ge=8, le=1024)
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    # Trained weights to start from (``pipeline.transfer``), any model source: a run's name under
+    # run.storage_path or its directory, a checkpoint directory, a .safetensors or torch state dict file,
+    # runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS. null: random initialisation.
+    init_from: str | None = Field(None, min_length=1)
+    init_ema: bool = False  # start from the source's EMA weights
+    # fnmatch globs of weights left at their fresh initialisation on purpose (e.g. "head.*": a new head
+    # for another task with the same class count); besides these, the head is new when the class count
+    # differs and position embeddings are resampled to a new token grid.
+    init_exclude: tuple[str, ...] = ()
+    # backbone: a linear probe, only the classifier head (get_classifier()) trains; the rest stays as
+    # loaded and runs in eval mode (no dropout, BatchNorm on its running statistics).
+    freeze: Literal["none", "backbone"] = "none"
+
+    _usable_source = field_validator("init_from")(_check_location)
 
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
         return check_registered(name)
+
+    @model_validator(mode="after")
+    def _init_options_need_a_source(self) -> ModelConfig:
+        if self.init_from is None and (self.init_ema or self.init_exclude):
+            raise ValueError("model.init_ema / model.init_exclude choose what to take from model.init_from, "
+                             "which is not set")
+        return self
 
     @field_validator("args")
     @classmethod
@@ -214,7 +266,7 @@ class DataConfig(_Section):
     stage_streams: int = Field(16, ge=1, le=256)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
-    _usable_locations = field_validator("train", "val")(_check_location)
+    _usable_locations = field_validator("train", "val")(_check_file)
     _usable_cache = field_validator("cache_dir")(_check_directory)
 
     @field_validator("crop_scale", "crop_ratio")
@@ -241,18 +293,36 @@ class DataConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe)."""
+    """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe).
+
+    The schedule peaks at the run's learning rate (``optim.lr``, or ``optim.lr_per_512`` scaled to
+    the global batch); ``warmup_lr`` and ``min_lr`` are absolute rates, not scaled, as in DeiT.
+    """
 
     name: Literal["cosine", "constant"] = "cosine"
     warmup_epochs: float = Field(5.0, ge=0.0)
-    warmup_lr: float = Field(1e-6, ge=0.0)
-    min_lr: float = Field(1e-5, ge=0.0)
+    warmup_lr: float = Field(1e-6, ge=0.0)  # the warmup rises linearly from here to the peak
+    min_lr: float = Field(1e-5, ge=0.0)  # the cosine falls from the peak to here
 
 
 class OptimConfig(_Section):
-    """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size."""
+    """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size.
 
-    lr: float = Field(5e-4, gt=0.0)
+    The learning rate is given one way: ``lr`` (absolute) or ``lr_per_512`` (per 512 images of
+    global batch, scaled to the run's batch by ``lr_scaling``); ``pipeline.lr_scaling`` computes the
+    rate a run trains at. A config whose global batch depends on the cluster (``cluster/jobs/``)
+    gives ``lr_per_512``, so changing ``scaling.num_workers`` or the micro batch needs no lr edit.
+    """
+
+    # AdamW's rate, absolute: the same whatever the global batch. null when lr_per_512 gives the
+    # rate; with neither given, DeiT's 5e-4 (pipeline.lr_scaling.DEFAULT_LR), absolute.
+    lr: float | None = Field(None, gt=0.0)
+    # DeiT's convention (5e-4 per 512): the rate at a global batch of 512 images; the run trains at
+    # this rate scaled to its global batch by lr_scaling (pipeline.lr_scaling).
+    lr_per_512: float | None = Field(None, gt=0.0)
+    # How lr_per_512 follows the global batch B: linear (x B/512, DeiT and XCiT) or sqrt (linear up
+    # to B = 1,024, where DeiT and XCiT trained, then x sqrt(B/1,024), for larger batches).
+    lr_scaling: Literal["linear", "sqrt"] = "linear"
     weight_decay: float = Field(0.05, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
@@ -263,7 +333,26 @@ class OptimConfig(_Section):
     # Exponential moving average of the weights, updated every optimizer step (DeiT: 0.99996);
     # evaluated beside the model each epoch (val_top1_ema, ...). null: no EMA.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+    # Layer-wise learning-rate decay (BEiT's, timm's --layer-decay): the head trains at lr, each layer
+    # below at layer_decay times the one above (groups from the model's group_matcher). null: off.
+    layer_decay: float | None = Field(None, gt=0.0, le=1.0)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @model_validator(mode="after")
+    def _one_learning_rate(self) -> OptimConfig:
+        if self.lr is not None and self.lr_per_512 is not None:
+            raise ValueError(
+                f"optim.lr={self.lr:g} and optim.lr_per_512={self.lr_per_512:g} both give the learning rate; keep "
+                "one and set the other to null: optim.lr is absolute, optim.lr_per_512 is scaled to the global "
+                "batch (micro batch x accumulation x workers) by optim.lr_scaling"
+            )
+        if self.lr_per_512 is None and self.lr_scaling != "linear":
+            given = f"given absolutely (optim.lr={self.lr:g})" if self.lr is not None else "not given"
+            raise ValueError(
+                f"optim.lr_scaling={self.lr_scaling!r} scales optim.lr_per_512, which is {given}; give "
+                "optim.lr_per_512 (and optim.lr=null) for a rate that follows the global batch"
+            )
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -397,7 +486,7 @@ class DistillConfig(_Section):
     teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
 
-    _usable_checkpoint = field_validator("teacher_checkpoint")(_check_location)
+    _usable_checkpoint = field_validator("teacher_checkpoint")(_check_file)
 
     @field_validator("teacher")
     @classmethod
@@ -494,10 +583,13 @@ def _read_yaml(source: str) -> dict[str, Any]:
                 f"config {source!r} is neither a preset ({', '.join(available_presets())}) nor a .yaml file"
             )
         path = PRESET_DIR / f"{source}.yaml"
+    problem = location_problem(path, kind="file")
+    if problem:
+        raise ConfigError(f"config file: {problem}")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        tree = yaml.safe_load(read_utf8(path, "config file"))
+        tree = load_yaml(read_utf8(path, "config file"))
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not tree:
@@ -524,6 +616,45 @@ def read_utf8(path: Path, what: str) -> str:
         ) from None
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML document gives one key twice (PyYAML would keep the last value silently)."""
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` read as ``yaml.safe_load`` reads it, but a key given twice in one mapping is a
+    DuplicateKeyError naming the key (dotted from the top) and both lines: YAML requires unique keys."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias to a node already checked (or an anchor inside itself)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}.{index}" if path else str(index), seen)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_lines: dict[tuple[str, Any], int] = {}
+    for key_node, value_node in node.value:
+        key = (key_node.tag, key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node))
+        dotted = f"{path}.{key_node.value}" if path else str(key_node.value)
+        line = key_node.start_mark.line + 1
+        if key_node.tag != "tag:yaml.org,2002:merge" and key in first_lines:  # `<<:` merges may be overridden
+            lines = f"line {line}" if first_lines[key] == line else f"lines {first_lines[key]} and {line}"
+            raise DuplicateKeyError(f"{dotted} is given twice ({lines}); keep one (YAML would silently use the last)")
+        first_lines[key] = line
+        _refuse_duplicate_keys(value_node, dotted, seen)
+
+
 # YAML 1.1 reads 1e-3 (no dot) as a string; a learning rate should be a number.
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -548,7 +679,9 @@ def parse_override(assignment: str) -> tuple[str, Any]:
     if any(not part for part in key.split(".")):
         raise ConfigError(f"override key {key!r} has an empty part")
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"override {assignment!r}: {err}") from None
     except yaml.YAMLError:
         value = raw
     return key, yaml_number(value)

@@ -9,16 +9,13 @@ import torch
 from torch import nn
 
 from pipeline.config import ExperimentConfig
+from pipeline.lr_scaling import global_batch_size
 
 # BatchNorm's running statistics: fp32 under bf16/fp16 (keep_batchnorm_in_fp32).
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
 # ZeRO's gradient reduce / parameter all-gather bucket, in elements: PyTorch DDP's 25 MB of fp32.
 # A 5-90 M parameter model then reduces in 1-15 buckets, each sent while backward computes the next.
 ZERO_BUCKET_ELEMENTS = 25 * 2**20 // 4
-
-
-def global_batch_size(cfg: ExperimentConfig, world_size: int) -> int:
-    return cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * world_size
 
 
 def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
@@ -38,7 +35,7 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
     if cfg.deepspeed.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
     return {
-        "train_batch_size": global_batch_size(cfg, world_size),
+        "train_batch_size": global_batch_size(cfg.optim, world_size),
         "train_micro_batch_size_per_gpu": cfg.optim.micro_batch_size,
         "gradient_accumulation_steps": cfg.optim.grad_accum_steps,
         "gradient_clipping": cfg.optim.grad_clip or 0.0,  # 0: DeepSpeed does not clip

@@ -2,7 +2,6 @@
 import signal
 
 
-
 class InvalidInputError(ValueError):
     """The user's input (config, path, dataset, search space) is wrong; nothing was started."""
 
@@ -16,11 +15,13 @@ class RunFailed(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM reached the driver; the run is recorded KILLED."""
+    """SIGINT or SIGTERM reached the command (``pipeline.interrupts``); ``outcome`` says what became of
+    its work, filled in by the layer that recorded it (an MLflow run marked KILLED)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signal_name, self.exit_code = signal.Signals(signum).name, 128 + signum
+        self.outcome = ""
 
 
 class AlreadyFinished(Exception):

@@ -152,7 +152,7 @@ class SampleRecorder:
 
 def _evaluate_shard(source: ModelSource, data: DataConfig, path: Path, preprocessing: EvalPreprocessing,
                     batch_size: int, device: torch.device, distributed: bool) -> tuple[dict, torch.Tensor, dict]:
-    from pipeline.worker import evaluate
+    from pipeline.metrics import evaluate
 
     model = source.build(preprocessing.img_size).to(device)
     loader = build_val_loader(data, path, batch_size, preprocessing.img_size, device, distributed=distributed)

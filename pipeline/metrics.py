@@ -1,10 +1,14 @@
-"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once."""
+"""Metrics: loss and top-k tallies summed over ranks, so every sample counts exactly once; the
+validation pass that fills them."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from timm.utils import distribute_bn
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
 
@@ -69,3 +73,30 @@ class ConfusionTally:
         """Percent of each class's samples predicted as that class; None for a class with no samples."""
         return [None if total == 0 else 100.0 * float(counts[i, i]) / float(total)
                 for i, total in enumerate(counts.sum(dim=1).tolist())]
+
+
+def average_batchnorm_statistics(model) -> None:
+    """Each rank's BatchNorm running statistics come from its own shard (DeepSpeed never broadcasts
+    buffers): averaged over the ranks (timm's ``train.py``, ``--dist-bn reduce``), so every rank scores
+    the same model, the one a checkpoint saves from rank 0."""
+    if dist.is_available() and dist.is_initialized():
+        distribute_bn(model, dist.get_world_size(), reduce=True)
+
+
+def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device,
+             observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
+    exactly once across ranks, after its BatchNorm statistics are averaged over the ranks;
+    ``observe(logits, labels)`` sees each batch's real rows too (``vitsweep evaluate``'s confusion
+    matrix and predictions)."""
+    model.eval()
+    average_batchnorm_statistics(model)
+    tally = Tally()
+    with torch.no_grad():
+        for images, labels, num_real in val_loader:
+            logits = model(images.to(input_dtype)).float()[:num_real]
+            labels = labels[:num_real]
+            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
+            if observe is not None:
+                observe(logits, labels)
+    return tally.reduced(device).means("val")

@@ -5,17 +5,20 @@ One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
 
 1. ``check_run``: everything that can be wrong with the input, before any worker starts (exit 2,
    nothing written): the datasets, the model (built once on the meta device, which also gives its
-   facts), the distillation teacher, the MLflow store, a restarted run's checkpoint.
-2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts.
+   facts), the distillation teacher, the MLflow store, a restarted run's checkpoint, the weights it
+   starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.transfer``).
+2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
+   (and where its initial weights came from: tags, ``init_weights.json``, the source model as an input).
 3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.worker`` on every rank.
 4. ``fit_and_record``: fit; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -28,13 +31,14 @@ from typing import Any
 import ray
 import yaml
 from mlflow.exceptions import MlflowException
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
 from safetensors.torch import load_model
 
 import models
 from models.measure import count_gmacs, count_params, params_by_module
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
                                     checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config import ExperimentConfig, ModelConfig
@@ -45,11 +49,13 @@ from pipeline.console import active_console
 from pipeline.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
+from pipeline.lr_scaling import describe_lr, recorded_params
 from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin,
                                update_run_record)
+from pipeline.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
 from pipeline.worker import WorkerPlan, train_worker
 
 
@@ -109,6 +115,7 @@ class CheckedRun:
     run_name: str
     storage: str  # where Ray Train keeps the run: a local directory or a URI
     tracking_uri: str
+    init: InitialWeights | None = None  # model.init_from, resolved and fitted to the model
 
     @property
     def run_dir(self) -> Path:
@@ -170,11 +177,13 @@ def remove_unregistered_checkpoints(run: CheckedRun) -> None:
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> None:
     """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
-    named and skipped; none intact is bad input): it must be this model's."""
-    if not (run_dir / CHECKPOINT_SNAPSHOT).exists():
-        return
-    intact = check_run_checkpoints(run_dir)
+    named and skipped; none intact is bad input): it must be this model's. One stopped before its
+    first checkpoint starts again from epoch 1, which is said."""
+    intact = check_run_checkpoints(run_dir) if (run_dir / CHECKPOINT_SNAPSHOT).exists() else None
     if intact is None:
+        if read_run_record(run_dir) is not None:  # it was started: its MLflow run continues
+            active_console().line(f"run {cfg.run.name} was started before, but no checkpoint was saved: "
+                                  "starting from epoch 1")
         return
     newest = checkpoints_newest_first(run_dir)[0]
     if intact != newest:
@@ -230,8 +239,10 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     require_reachable(tracking_uri)
     check_rerun(Path(storage) / run_name, cfg, tracking_uri)
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
+    init = (resolve_initial_weights(cfg.model, data.num_classes, uris.join(storage, run_name), storage, tracking_uri)
+            if cfg.model.init_from else None)
     MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
-    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri)
+    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri, init)
 
 
 def check_resources(cfg: ExperimentConfig, local: bool) -> None:
@@ -272,12 +283,12 @@ def describe_run(run: CheckedRun) -> str:
     cfg, facts = run.cfg, run.facts
     paper = f", paper {facts.paper}" if facts.paper else ""
     workers = f"{cfg.scaling.num_workers} {'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s)"
+    start = f" Starts from `{run.init.plan.summary()}`." if run.init is not None else ""
     return (f"**{cfg.model.name}** ({facts.family}{paper}{', ' + str(cfg.model.args) if cfg.model.args else ''}): "
-            f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px. "
+            f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px.{start} "
             f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
             f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
-            f"{cfg.deepspeed.precision}, AdamW lr {cfg.optim.lr:g}, global batch "
-            f"{cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * cfg.scaling.num_workers}.")
+            f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
 
 
 def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
@@ -296,10 +307,40 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: st
         facts=run.facts.as_params(),
         tags={**environment_tags(cfg), **run_origin(describe_run(run), source or command_line())},
     )
+    # The rate and global batch it trains at, beside the knob the config gives (optim.lr or optim.lr_per_512).
+    tracking.log_params(recorded_params(cfg.optim, cfg.scaling.num_workers))
     if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
         tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
                                "validation": (run.data.val, run.data.val_sha256)})
+    if run.init is not None:
+        record_initial_weights(tracking, run.init)
     return tracking
+
+
+def record_initial_weights(tracking: MlflowRun, init: InitialWeights) -> None:
+    """Where the run's weights came from, on its MLflow run: ``init.*`` tags (the source as given,
+    its kind, run, logged and registered model; what was loaded, reset, resampled), every weight's
+    fate in ``init_weights.json``, and the source's logged model as an input of the run (MLflow 3's
+    lineage: the run page links to the model, the model to the run that trained it) where both are
+    in one store."""
+    plan, provenance = init.plan, init.plan.provenance
+    registered = (f"{provenance.registered_name}/{provenance.registered_version}"
+                  + (f"@{provenance.registered_alias}" if provenance.registered_alias else "")
+                  if provenance.registered_name else None)
+    tags = {"init.source": provenance.given, "init.kind": provenance.kind, "init.ema": str(provenance.ema),
+            "init.run_id": provenance.run_id, "init.model_id": provenance.model_id, "init.registered_model": registered,
+            "init.summary": _shortened(plan.summary()), "init.loaded": str(len(plan.loaded)),
+            "init.reset": _shortened(", ".join(plan.reset)), "init.resampled": _shortened(", ".join(plan.resampled)),
+            "init.excluded": _shortened(", ".join(plan.excluded))}
+    tracking.set_tags({key: value for key, value in tags.items() if value})
+    tracking.log_texts({PLAN_ARTIFACT: json.dumps(plan.as_dict(), indent=1)})
+    if provenance.model_id and provenance.tracking_uri == tracking.uri:
+        tracking.log_model_input(provenance.model_id)
+
+
+def _shortened(text: str, limit: int = 1000) -> str:
+    """A tag's value within MLflow's limits; the whole list is in init_weights.json."""
+    return text if len(text) <= limit else text[:limit - 40].rsplit(", ", 1)[0] + f", ... (see {PLAN_ARTIFACT})"
 
 
 def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = (),
@@ -309,7 +350,8 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
-                      run.facts.gflops, announce, run.card.as_dict())
+                      run.facts.gflops, announce, run.card.as_dict(),
+                      run.init.for_workers() if run.init is not None else None)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),
@@ -339,32 +381,42 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
 def fit_interruptibly(trainer: TorchTrainer) -> Result:
     """``trainer.fit()`` on a thread, while the main thread turns SIGINT and SIGTERM into ``Interrupted``.
 
-    Ray Train's own SIGINT handler (main thread only) would abort the run into an anonymous actor
-    error, and Ray's SIGTERM handler exits with a stack dump; here either signal ends the run KILLED.
+    Ray Train's own SIGINT handler (installed when fit runs in the main thread) would abort the run
+    into an anonymous actor error; here either signal ends the run KILLED.
     """
-    outcome: dict[str, Any] = {}
+    with interrupts.raised():
+        return interrupts.OnThread(trainer.fit, "vitsweep-fit").result()
 
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as err:  # noqa: BLE001  (re-raised in the main thread below)
-            outcome["error"] = err
 
-    def interrupt(signum: int, frame) -> None:
-        raise Interrupted(signum)
+def failure_reason(err: BaseException) -> str:
+    """Why a run failed, in one line. A worker that was lost (killed, crashed, its node gone, hung) is
+    named with its rank, process and node, and how it ended: the surviving ranks' errors (gloo's or
+    NCCL's broken connection) are what its loss caused, not why the run failed. Otherwise the first
+    failed rank's last error line."""
+    failures = err.worker_failures if isinstance(err, WorkerGroupError) else {}
+    lost = {rank: failure for rank, failure in failures.items()
+            if isinstance(failure, (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError))}
+    if not lost:
+        return error_line(err)
+    rank, failure = min(lost.items())
+    return lost_worker(rank, failure)[:300]
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        fitting = threading.Thread(target=fit, name="vitsweep-fit", daemon=True)
-        fitting.start()
-        while fitting.is_alive():
-            fitting.join(0.2)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+
+def lost_worker(rank: int, failure: Exception) -> str:
+    """'worker rank R (pid P on NODE) died: how', from Ray Train's health-check failure and the actor
+    error it wraps (Ray hands both over as text only)."""
+    text = str(failure)
+    pid, node = re.search(r"\bpid=(\d+)", text), re.search(r"\bnode_ip='([^']+)'", text)
+    where = f" (pid {pid[1]} on {node[1]})" if pid and node else ""
+    if isinstance(failure, WorkerHealthCheckTimeoutError):
+        return f"worker rank {rank}{where} stopped answering Ray Train's health checks"
+    death = re.search(r"The actor is dead because ([^.\n]*)", text)
+    exit_type = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: ([^.\n]*)", text)
+    how = death[1] if death else error_line(failure.health_check_failure)
+    if exit_type:
+        how += f" ({exit_type[1]}{': ' + detail[1] if detail else ''})"
+    return f"worker rank {rank}{where} died: {how}"
 
 
 def error_line(err: BaseException) -> str:
@@ -383,6 +435,13 @@ def end_run(tracking: MlflowRun, status: str, reason: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def record_interrupt(tracking: MlflowRun, stop: Interrupted) -> None:
+    """The MLflow run ends KILLED with the signal as its reason, and the interrupt says so."""
+    end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
+    stop.outcome = (f"MLflow run {tracking.run_id} is marked KILLED; run the same command again to continue "
+                    "from its last checkpoint")
+
+
 def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, record_failure: bool = True) -> Result:
     """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED, with its reason.
 
@@ -396,7 +455,7 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
         else:  # a sweep trial: Tune owns the signals
             result = trainer.fit()
     except Interrupted as stop:
-        end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
+        record_interrupt(tracking, stop)
         raise
     except KeyboardInterrupt:
         end_run(tracking, "KILLED", "interrupted")
@@ -406,9 +465,10 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
             raise
         remove_unregistered_checkpoints(run)  # also frees the space a full disk needs to record the failure
         active_console().library("".join(traceback.format_exception(err)))
-        reason = f"error: {error_line(err)}"
+        reason = f"error: {failure_reason(err)}"
         end_run(tracking, "FAILED", reason)
         raise RunFailed(f"{reason}; MLflow run {tracking.run_id} marked FAILED") from err
+    remove_unregistered_checkpoints(run)  # a worker group restarted mid-report left its half-reported one
     divergence = tracking.diverged_at()
     if divergence:
         end_run(tracking, "FAILED", f"diverged: loss diverged at {divergence}")

@@ -31,7 +31,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from pipeline.config import ExperimentConfig, uri_password_problem
+from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
 from pipeline.console import library_prints, say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
@@ -46,6 +46,7 @@ DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
 # early_stopped: ... for trials their scheduler stopped.
 STOP_REASON_TAG = "stop_reason"
+INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
@@ -83,9 +84,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str:
         directory = Path(uri)
     else:
         raise ConnectionError(f"MLflow URI {uri!r}: vitsweep can check http(s)://, sqlite:/// and file:// stores")
-    existing = next((p for p in [directory, *directory.parents] if p.exists()), Path("/"))
-    if not os.access(existing, os.W_OK):
-        raise ConnectionError(f"MLflow store {uri}: {existing} is not writable")
+    problem = location_problem(directory, kind="directory", create=True)
+    if problem:
+        raise ConnectionError(f"MLflow store {uri}: {problem}")
     return f"local store under {directory} ({'exists' if directory.exists() else 'will be created'})"
 
 
@@ -133,15 +134,18 @@ def _ui_root(uri: str) -> str:
     return uri.rstrip("/")
 
 
-def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
-    """A run's page (``run_id``), else the experiment's runs table, opened in saved view ``view`` if given.
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None,
+            artifact: str | None = None) -> str:
+    """A run's page (``run_id``; its ``artifact`` shown, if given), else the experiment's runs table,
+    opened in saved view ``view`` if given.
 
     Every link carries ``workflowType=machine_learning``: the UI ignores the ``mlflow.experimentKind``
     tag, and the query parameter works on every route.
     """
     root = f"{_ui_root(uri)}/#/experiments/{experiment_id}"
     if run_id is not None:
-        return f"{root}/runs/{run_id}?{WORKFLOW_TYPE}"
+        shown = "" if artifact is None else f"/artifacts/{artifact}"
+        return f"{root}/runs/{run_id}{shown}?{WORKFLOW_TYPE}"
     shared_view = "" if view is None else f"viewStateShareKey={view}&"
     return f"{root}/runs?{shared_view}{WORKFLOW_TYPE}"
 
@@ -152,12 +156,17 @@ def ui_compare_link(uri: str, experiment_id: str, run_ids: list[str]) -> str:
             f"&experiments={json.dumps([experiment_id])}&{WORKFLOW_TYPE}")
 
 
+def ui_server(uri: str) -> str:
+    """Where the UI of store ``uri`` is served: the server itself, or `mlflow ui` for a local store."""
+    return uri if uri.startswith(("http://", "https://")) else LOCAL_UI
+
+
 def where_to_look(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
     """The console's lines saying where a run or sweep is in the MLflow UI."""
+    link = ui_link(ui_server(uri), experiment_id, run_id, view)
     if uri.startswith(("http://", "https://")):
-        return f"  MLflow UI: {ui_link(uri, experiment_id, run_id, view)}"
-    return (f"  see it with: mlflow ui --backend-store-uri {uri}\n"
-            f"  then open: {ui_link(LOCAL_UI, experiment_id, run_id, view)}")
+        return f"  MLflow UI: {link}"
+    return f"  see it with: mlflow ui --backend-store-uri {uri}\n  then open: {link}"
 
 
 def command_line() -> str:
@@ -218,12 +227,10 @@ class MlflowStore:
     def run(self, run_id: str) -> MlflowRun:
         return MlflowRun(self.uri, run_id, self.client)
 
-    def save_view(self, experiment_id: str, key: str, name: str, columns: list[str], order_by: str,
-                  search_filter: str = "") -> None:
-        """A saved runs-table view (columns, order, filter) the UI opens with ``viewStateShareKey=key``."""
+    def save_view(self, experiment_id: str, key: str, name: str, state: dict[str, Any]) -> None:
+        """A saved view of the experiment's runs page, opened by ``ui_link(..., view=key)``: the UI's
+        search facets and UI state (table columns, order, filter, chart cards), as JSON."""
         now = int(time.time() * 1000)
-        state = {"selectedColumns": columns, "orderByKey": order_by, "orderByAsc": False,
-                 "searchFilter": search_filter}
         self.client.set_experiment_tag(experiment_id, SAVED_VIEW_TAG + key, json.dumps(
             {"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
 
@@ -314,9 +321,13 @@ class MlflowRun:
         self.log_texts(files)
 
     def log_epoch(self, reported: dict[str, Any]) -> None:
-        """A worker's epoch report, one MLflow step per epoch (epochs count from 1 everywhere)."""
+        """A worker's epoch report, one MLflow step per epoch (epochs count from 1 everywhere); the
+        evaluation of the weights a run started from, before any step (``initial_*``), at step 0."""
         epoch = int(reported["epoch"])
         metrics = {key: value for key, value in reported.items() if key != "epoch" and isinstance(value, (int, float))}
+        initial = {key: metrics.pop(key) for key in list(metrics) if key.startswith(INITIAL_PREFIX)}
+        if initial:
+            self.log_metrics(initial, step=0)
         self.log_metrics({**metrics, "epochs_trained": epoch}, step=epoch)
 
     def mark_diverged(self, where: str) -> None:
@@ -357,6 +368,11 @@ class MlflowRun:
                                weights=weights, card=card, serialization_format="pickle")
         return logged.model_id
 
+    def log_model_input(self, model_id: str) -> None:
+        """An MLflow logged model as an input of this run (once), e.g. the model it was fine-tuned from."""
+        if model_id not in {model.model_id for model in self.get().inputs.model_inputs}:
+            self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
+
     def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
         """MLflow dataset inputs: context ("training", "validation") -> (location, SHA-256 of the file).
 
@@ -372,14 +388,14 @@ class MlflowRun:
                                        [InputTag("mlflow.data.context", context), InputTag("sha256", sha256)]))
         self.client.log_inputs(self.run_id, datasets=inputs)
 
-    def monitor_system(self, node_id: str, interval_s: float = 10.0):
+    def monitor_system(self, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
         """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
-        System metrics tab until the run ends; ``None`` where the store cannot be reached from this node."""
+        System metrics tab until it is finished (or the run ends); ``None`` where the store cannot be
+        reached from this node."""
         if self.uri.startswith("sqlite:///") and not Path(self.uri.removeprefix("sqlite:///")).exists():
             return None  # a local store of another node
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, node_id=node_id,
-                                       tracking_uri=self.uri)
+        monitor = NodeSystemMetrics(self.run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=self.uri)
         monitor.start()
         return monitor
 
@@ -388,6 +404,20 @@ def dataset_reference(location: str, sha256: str) -> tuple[str, str]:
     """How a dataset input is named in MLflow: (file name, digest). MLflow caps a digest at 36
     characters: it is the SHA-256's prefix (``log_datasets`` adds the whole hash as a tag)."""
     return Path(location).name, sha256[:32]
+
+
+class NodeSystemMetrics(SystemMetricsMonitor):
+    """MLflow's system-metrics monitor, which also logs a last sample when it is finished: MLflow's own
+    logs only at the end of each full sampling interval, so a run shorter than one would have none."""
+
+    def finish(self) -> None:
+        super().finish()
+        try:
+            self.collect_metrics()
+            self.publish_metrics(self.aggregate_metrics())  # with what the loop sampled since its last one
+            self.mlflow_logger.flush()
+        except Exception as err:  # noqa: BLE001  (as MLflow's own monitor: never fail the run over its metrics)
+            logging.getLogger("mlflow.system_metrics").warning("could not log the last system metrics sample: %s", err)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Locations: a local path or a URI (``s3://``, ``gs://``, ``file://``, any fsspec/pyarrow filesystem),
-and the credentials a URI may carry.
+the credentials a URI may carry, and whole files read and written at either.
 
 A URI reaches the console, the logs, MLflow params and ``config.yaml``; a credential inside it
 (``user:password@host``, a token as the user name, ``?token=...``, a presigned ``X-Amz-Signature``)
@@ -42,6 +42,50 @@ def absolute(location: str | None) -> str | None:
 
 def join(location: str, *parts: str) -> str:
     return "/".join([location.rstrip("/"), *parts]) if is_uri(location) else str(Path(location, *parts))
+
+
+def _filesystem(location: str):
+    import pyarrow.fs  # here: most commands never read a URI, and pyarrow's import costs time
+
+    return pyarrow.fs.FileSystem.from_uri(location)
+
+
+def write_bytes(location: str, data: bytes) -> None:
+    """``data`` as the file at ``location`` (a local path or a URI), its parent created; a local
+    file appears complete or not at all (written beside, then renamed), as an object store's does."""
+    if not is_uri(location):
+        from pipeline.data.atomic import partial_path, publish
+
+        final = Path(location)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = partial_path(final)
+        try:
+            partial.write_bytes(data)
+            publish(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+        return
+    fs, path = _filesystem(location)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as stream:
+        stream.write(data)
+
+
+def read_bytes(location: str, length: int | None = None, offset: int = 0) -> bytes | None:
+    """The file at ``location`` (``length`` bytes from ``offset``: all of it by default); None when there is none."""
+    if not is_uri(location):
+        if not Path(location).is_file():
+            return None
+        with open(location, "rb") as handle:
+            handle.seek(offset)
+            return handle.read() if length is None else handle.read(length)
+    import pyarrow.fs
+
+    fs, path = _filesystem(location)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_file(path) as handle:  # random access: a header is read without the rest
+        return handle.read_at(handle.size() - offset if length is None else length, offset)
 
 
 def credentials_in(uri: str) -> str | None:

@@ -1,8 +1,9 @@
 """The Ray Train worker: what every rank runs, read as the recipe (as torchtitan's ``train.py``).
 
-``Trainer.setup`` builds this rank's state (data shards, DeepSpeed engine, EMA, loss) and resumes
-a checkpoint; ``fit`` then runs, for each epoch, ``train_epoch`` (``train_step`` per batch),
-``evaluate`` and ``end_epoch`` (one report to Ray Train, with a checkpoint when one is due).
+``Trainer.setup`` builds this rank's state (data shards, the model with the weights it starts from,
+DeepSpeed engine, EMA, loss) and resumes a checkpoint; ``fit`` then evaluates the loaded weights of a
+run that starts from trained ones, and runs, for each epoch, ``train_epoch`` (``train_step`` per
+batch), ``evaluate`` and ``end_epoch`` (one report to Ray Train, with a checkpoint when one is due).
 The details live in the components it calls.
 """
 from __future__ import annotations
@@ -12,20 +13,18 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from timm.utils import distribute_bn
 
 from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
                                     save_final_weights, use_weights_only_loading)
 from pipeline.config import ExperimentConfig
-from pipeline.console import say_progress
+from pipeline.console import say, say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
@@ -33,9 +32,14 @@ from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
-from pipeline.metrics import DIVERGED_KEY, Tally
+from pipeline.lr_scaling import effective_lr
+from pipeline.metrics import DIVERGED_KEY, evaluate
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
+from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
+
+
+MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class WorkerPlan:
     gmacs_per_image: float  # the model's forward multiply-adds (models.measure), for TFLOP/s and MFU
     announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
     model_card: dict[str, Any] | None = None  # ModelCard.as_dict(): recorded in every checkpoint
+    # model.init_from: {"location": the saved source, "plan": TransferPlan.as_dict()} (InitialWeights.for_workers)
+    init_weights: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +98,8 @@ class Trainer:
         self.plan = plan
         self.cfg = ExperimentConfig.model_validate(plan.config)
         self.time_to_first_step: float | None = None
+        self.monitor_start: threading.Thread | None = None  # this node's system-metrics monitor (local rank 0)
+        self.monitor = None
 
     def setup(self) -> None:
         # Here, in the worker process only: the driver imports this module to hand `train_worker`
@@ -106,8 +114,10 @@ class Trainer:
         self.device = ray.train.torch.get_device()
         torch.manual_seed(cfg.run.seed + self.rank)
         quiet_numba_finalizers()
-        if context.get_local_rank() == 0:  # one monitor per node, on its own thread: MLflow imports slowly
-            threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),), daemon=True).start()
+        if context.get_local_rank() == 0:  # one monitor per node, started on its own thread: MLflow imports slowly
+            self.monitor_start = threading.Thread(target=self._monitor_node, args=(context.get_node_rank(),),
+                                                  daemon=True)
+            self.monitor_start.start()
 
         # Data: this node's copy of each dataset, this rank's shard of it.
         cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
@@ -122,9 +132,15 @@ class Trainer:
             cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
         )
 
-        # Model, optimizer, schedule, engine.
+        # Model (with the weights it starts from, before DeepSpeed partitions or casts it), optimizer,
+        # schedule, engine.
         model = build_model(cfg.model, num_classes)
-        optimizer = build_optimizer(model, cfg.optim)
+        if self.plan.init_weights is not None:
+            load_initial_weights(model, read_saved_weights(self.plan.init_weights["location"]),
+                                 TransferPlan.from_dict(self.plan.init_weights["plan"]))
+        if cfg.model.freeze == "backbone":
+            freeze_backbone(model)
+        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, self.world_size))
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -160,10 +176,34 @@ class Trainer:
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking import MlflowRun
 
-        MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+        self.monitor = MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+
+    def stop_monitoring(self) -> None:
+        """The node's last system-metrics sample, logged while the run is still open: a run shorter than
+        one sampling interval still has one per node. A store that does not answer never holds the worker up."""
+        if self.monitor_start is not None:
+            self.monitor_start.join(MONITOR_STOP_TIMEOUT_S)
+        if self.monitor is not None:
+            stopping = threading.Thread(target=self.monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(MONITOR_STOP_TIMEOUT_S)
 
     def fit(self) -> None:
         self.setup()
+        try:
+            self.train_epochs()
+        finally:
+            self.stop_monitoring()
+
+    def train_epochs(self) -> None:
+        # A run started from trained weights first evaluates them as loaded, before any step (reported
+        # with its first epoch as initial_val_*, MLflow's step 0).
+        initial = ({f"initial_{key}": value for key, value in self.evaluate(with_ema=False).items()}
+                   if self.plan.init_weights is not None and self.start_epoch == 0 else {})
+        if initial and self.rank == 0 and self.plan.announce:
+            say(f"epoch 0/{self.cfg.optim.epochs}  the initial weights, before any step:  val_loss "
+                f"{initial['initial_val_loss']:.4f}  val_top1 {initial['initial_val_top1']:.2f}%  "
+                f"val_top5 {initial['initial_val_top5']:.2f}%")
         # Epochs count from 1 in everything a person sees (console, MLflow steps, Tune, resumed_at_epoch);
         # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
@@ -174,17 +214,20 @@ class Trainer:
                 ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch + 1, "step": diverged.step, "rank": self.rank})
                 return  # no retry: the run is recorded FAILED
             images_per_sec = stats.samples / stats.seconds
-            metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": self.engine.get_lr()[0],
+            # lr: the schedule's, the head's under layer-wise decay (the lower layers' are smaller).
+            metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": max(self.engine.get_lr()),
                        "images_per_sec": images_per_sec,
                        "tflops_per_sec": training_tflops(self.plan.gmacs_per_image, images_per_sec),
                        **({} if self.peak_tflops is None
                           else {"mfu": mfu(self.plan.gmacs_per_image, images_per_sec, self.peak_tflops)}),
                        **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
-            self.end_epoch(epoch, metrics)
+            self.end_epoch(epoch, {**metrics, **initial} if epoch == 0 else metrics)
 
     def train_epoch(self, epoch: int) -> EpochStats:
         self.engine.train()
+        if self.cfg.model.freeze == "backbone":
+            train_head_only(self.engine.module)
         stats = EpochStats()
         started = time.perf_counter()
         steps = len(self.train_loader)
@@ -228,16 +271,9 @@ class Trainer:
         say_progress(f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  loss {stats.mean_loss:.4f}  "
                      f"{stats.samples / max(seconds, 1e-9):.0f} img/s  eta {_duration(eta)}")
 
-    def evaluate(self) -> dict[str, float]:
-        if self.world_size > 1:
-            # Each rank's BatchNorm statistics follow its own shard (DeepSpeed, unlike DDP, never broadcasts
-            # buffers): averaged over the ranks first (timm's distribute_bn), so that every rank evaluates,
-            # and rank 0 checkpoints, one and the same model.
-            distribute_bn(self.engine.module, self.world_size, reduce=True)
-            if self.ema is not None:
-                distribute_bn(self.ema.module, self.world_size, reduce=True)
+    def evaluate(self, with_ema: bool = True) -> dict[str, float]:
         metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
-        if self.ema is not None:  # the fp32 shadow, run in the training precision
+        if self.ema is not None and with_ema:  # the fp32 shadow, run in the training precision
             with self.autocast:
                 ema_metrics = evaluate(self.ema.module, self.val_loader, torch.float32, self.device)
             metrics.update({f"{key}_ema": value for key, value in ema_metrics.items()})
@@ -260,19 +296,3 @@ class Trainer:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device,
-             observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
-    """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
-    exactly once across ranks; ``observe(logits, labels)`` sees each batch's real rows too
-    (``vitsweep evaluate``'s confusion matrix and predictions)."""
-    model.eval()
-    tally = Tally()
-    with torch.no_grad():
-        for images, labels, num_real in val_loader:
-            logits = model(images.to(input_dtype)).float()[:num_real]
-            labels = labels[:num_real]
-            tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="none"))
-            if observe is not None:
-                observe(logits, labels)
-    return tally.reduced(device).means("val")

@@ -6,18 +6,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
 REPO = Path(__file__).resolve().parents[1]
+MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 
 @pytest.fixture(scope="session")
@@ -130,6 +136,28 @@ def tune_command(storage, data, space, *overrides) -> list[str]:
     for override in overrides:
         args += ["--set", override]
     return args
+def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[str, float]) -> None:
+    """``model`` (a run's final weights), evaluated as the run's workers evaluate (the config's val loader
+    and precision, BatchNorm in fp32 with exact running statistics), scores the run's final metrics."""
+    import pytest
+    import torch
+
+    from pipeline.data.loaders import build_val_loader
+    from pipeline.data.sidecar import read_sidecar
+    from pipeline.engine import input_dtype, keep_batchnorm_in_fp32
+    from pipeline.metrics import evaluate
+
+    dtype, weights = input_dtype(cfg), model.state_dict()
+    model.to(dtype)
+    keep_batchnorm_in_fp32(model)
+    model.load_state_dict(weights)  # copies into the cast tensors: the running statistics stay exact
+    loader = build_val_loader(cfg.data, val_beton, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, "cpu")
+    ours = evaluate(model, loader, dtype, torch.device("cpu"))
+    # The ranks' batch shapes change how a kernel rounds: in fp32 by ~1e-7, in bf16 by up to ~1e-2,
+    # which may flip a near-tie: one sample.
+    one_sample = 100.0 / read_sidecar(val_beton).num_samples
+    assert ours["val_top1"] == pytest.approx(metrics["val_top1"], abs=one_sample + 1e-9)
+    assert ours["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -147,6 +175,43 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+@contextlib.contextmanager
+def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`mlflow server ARGS` on a free loopback port, its output in ``log``; yields its URI once it answers
+    /health, and stops its whole process group after."""
+    port = free_port()
+    with log.open("w") as output:
+        process = subprocess.Popen([MLFLOW, "server", *args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                   stdout=output, stderr=subprocess.STDOUT, env=env or vitsweep_env(),
+                                   start_new_session=True)
+        uri = f"http://127.0.0.1:{port}"
+        try:
+            def healthy() -> bool:
+                assert process.poll() is None, f"mlflow server exited with {process.returncode}: {log.read_text()[-3000:]}"
+                try:
+                    with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+
+            wait_for(healthy, 120, f"mlflow server at {uri} to answer /health")
+            yield uri
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
+                pass
+            with contextlib.suppress(ProcessLookupError):  # whatever of its own group is left
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+# Set to a value of its own in each background command's environment, which every process it starts
+# (Ray's, however deep, even once orphaned) inherits: how a test finds them all.
+PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
+
+
 def readme_block(heading: str) -> list[str]:
     """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
     section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
@@ -154,12 +219,46 @@ def readme_block(heading: str) -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="session")
+def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
+    venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` and a 2-trial fine-tuning sweep from it.
+    Their store (``./vitsweep-runs``) and each command's output; the MLflow UI check browses the same store."""
+    root = tmp_path_factory.mktemp("readme-finetuning")
+    env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    results = []
+    for command in readme_block("## Fine-tuning"):
+        result = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, env=env,
+                                timeout=1500)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        results.append(result)
+    return root / "vitsweep-runs", results
+
+
+@pytest.fixture
+def screenshots(tmp_path) -> Path:
+    """Where a browser check saves its screenshots: $VITSWEEP_UI_SCREENSHOTS (`make ui-screenshots`), else tmp."""
+    return Path(os.environ.get("VITSWEEP_UI_SCREENSHOTS") or tmp_path)
+
+
+@pytest.fixture
+def browser(server):
+    """Chromium on the test module's ``server`` as a visitor who has dismissed the MLflow Assistant panel;
+    nothing else is preset, so the model-training mode must come from the link."""
+    from webdriver import NO_ASSISTANT_PANEL, Browser
+
+    with Browser(width=1400, height=900) as chromium:
+        chromium.seed_local_storage(server, NO_ASSISTANT_PANEL)
+        yield chromium
+
+
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.mark = uuid.uuid4().hex
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=vitsweep_env())
+                                        env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -187,6 +286,19 @@ class RunningVitsweep:
             except psutil.NoSuchProcess:
                 continue
         return workers
+
+    def processes(self) -> list:
+        """Every live process this command started, at any depth (the command itself included)."""
+        import psutil
+
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(PROCESS_MARK) == self.mark:
+                    found.append(process)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
 
     def finish(self, timeout: float = 600) -> int:
         try:

@@ -29,12 +29,13 @@ def engine(single_process_group):
     import deepspeed
 
     from pipeline.engine import deepspeed_config
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1"])
     model = build_model(cfg.model, num_classes=10)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
         config=deepspeed_config(cfg, 1), dist_init_required=False,
@@ -180,3 +181,22 @@ def test_a_rerun_whose_checkpoints_are_all_corrupt_is_refused_before_any_worker(
 
 def test_a_new_run_has_no_checkpoint_to_check(tmp_path):
     assert check_run_checkpoints(tmp_path / "never-ran") is None
+
+
+def test_a_rerun_of_a_run_stopped_before_its_first_checkpoint_says_it_starts_from_epoch_1(tmp_path, capsys):
+    from pipeline.runs import check_resumable
+    from pipeline.tracking import RUN_RECORD
+
+    started = tmp_path / "stopped"  # its MLflow run was opened, then a signal came before epoch 1 ended
+    started.mkdir()
+    (started / RUN_RECORD).write_text(json.dumps({"tracking_uri": "sqlite:///m.db", "run_id": "0" * 32}))
+    check_resumable(started, load_config("smoke", ["run.name=stopped"]), num_classes=10)
+    assert "run stopped was started before, but no checkpoint was saved: starting from epoch 1" in \
+        capsys.readouterr().out
+
+
+def test_a_first_run_says_nothing_about_checkpoints(tmp_path, capsys):
+    from pipeline.runs import check_resumable
+
+    check_resumable(tmp_path / "new", load_config("smoke", ["run.name=new"]), num_classes=10)
+    assert capsys.readouterr().out == ""

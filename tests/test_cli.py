@@ -1,4 +1,5 @@
 """The `vitsweep` command: help, exit codes (0 ok, 2 invalid input, 1 failure), doctor, config."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,32 @@ def test_doctor_reports_each_component_and_passes_here(tmp_path):
 def test_doctor_fails_when_the_mlflow_server_is_unreachable(tmp_path):
     code = main(["doctor", "--set", "tracking.mlflow_uri=http://127.0.0.1:9", "--set", f"run.storage_path={tmp_path}"])
     assert code == EXIT_FAILURE
+
+
+def test_doctor_on_a_head_node_skips_the_gpu_check_of_a_gpu_job_and_says_why(tmp_path, capsys):
+    code = main(["doctor", "--node", "head", "--config", str(REPO / "cluster" / "jobs" / "a100_8x8.yaml"),
+                 "--set", f"run.storage_path={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    (line,) = [line for line in out.splitlines() if " gpu " in line]
+    assert line.startswith("skip  gpu") and "the head runs no GPU work" in line
+    assert "8/8 checks passed, 1 skipped on a head node" in out
+
+
+def test_doctor_before_ray_starts_on_a_gpu_node_checks_its_driver_whatever_the_config(capsys):
+    # No tracking server answers at that URI and the default config trains on CPUs: neither matters there.
+    code = main(["doctor", "--node", "gpu-driver", "--set", "tracking.mlflow_uri=http://127.0.0.1:9"])
+    out = capsys.readouterr().out
+    checked = {line.split()[1]: line.split()[0] for line in out.splitlines() if line[:6].strip() in ("ok", "FAIL", "skip")}
+    assert checked == {"python": "ok", "torch": "ok", "gpu": checked["gpu"], "timm": "skip", "deepspeed": "skip",
+                       "ffcv": "skip", "ray": "skip", "mlflow": "skip", "disk": "skip"}
+    assert code == (EXIT_OK if checked["gpu"] == "ok" else EXIT_FAILURE)
+
+
+def test_doctor_refuses_a_node_role_it_does_not_know_naming_the_roles(capsys):
+    assert main(["doctor", "--node", "gpu"]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert "'gpu'" in err and all(role in err for role in ("head", "gpu-worker", "gpu-driver"))
 
 
 def test_invalid_config_exits_2_and_names_the_key(capsys):
@@ -89,6 +116,20 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert "make test" in ci.splitlines()[-1]
     assert "make test" in readme
+
+
+def test_make_mutation_refuses_a_module_outside_the_core_ones_before_installing_anything():
+    result = subprocess.run(["make", "--no-print-directory", "mutation", "MODULE=pipeline.worker"],
+                            cwd=REPO, capture_output=True, text=True, env=_env())
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MODULE=pipeline.worker is not one of: pipeline.metrics pipeline.losses" in result.stderr
+
+
+def test_the_readme_mutation_command_names_a_module_make_mutation_accepts():
+    (module,) = re.findall(r"`make mutation MODULE=(\S+)`", (REPO / "README.md").read_text())
+    result = subprocess.run(["make", "--no-print-directory", "mutation-module", f"MODULE={module}"],
+                            cwd=REPO, capture_output=True, text=True, env=_env())
+    assert result.returncode == 0, result.stderr
 
 
 def _env() -> dict[str, str]:

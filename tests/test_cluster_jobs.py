@@ -1,12 +1,13 @@
 """The A100 job configs (cluster/jobs/*.yaml) follow the README's scaling rules: global batch =
-micro batch x accumulation x GPUs, the learning rate scaled linearly with it, ZeRO-2 unless the
-model states do not fit."""
+micro batch x accumulation x GPUs, the learning rate given per 512 images so that it follows the
+batch, ZeRO-2 unless the model states do not fit."""
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import load_config
-from pipeline.engine import deepspeed_config, global_batch_size
+from pipeline.engine import deepspeed_config
+from pipeline.lr_scaling import effective_lr, global_batch_size
 
 JOBS = sorted((Path(__file__).resolve().parents[1] / "cluster" / "jobs").glob("*.yaml"))
 BASE_LR, BASE_BATCH = 5e-4, 512  # DeiT/XCiT: lr = 5e-4 x global batch / 512
@@ -35,11 +36,14 @@ def test_job_global_batch_is_micro_batch_times_accumulation_times_gpus(path):
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
-def test_job_learning_rate_scales_linearly_with_the_global_batch(path):
+def test_job_gives_deits_rate_per_512_images_so_the_rate_follows_the_cluster(path):
     cfg = load_config(str(path))
-    expected = BASE_LR * global_batch_size(cfg, cfg.scaling.num_workers) / BASE_BATCH
-    assert cfg.optim.lr == pytest.approx(expected)
+    assert cfg.optim.lr is None and cfg.optim.lr_per_512 == BASE_LR  # never an absolute rate
     assert cfg.optim.schedule.warmup_epochs >= 5  # large batches need the warmup the rule comes with
+    # One node instead of eight: XCiT's own global batch and rate, with no edit of the rate.
+    one_node = load_config(str(path), [f"scaling.num_workers={cfg.scaling.num_workers // 8}"])
+    assert global_batch_size(one_node.optim, one_node.scaling.num_workers) == 1024
+    assert effective_lr(one_node.optim, one_node.scaling.num_workers) == pytest.approx(BASE_LR * 1024 / BASE_BATCH)
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)

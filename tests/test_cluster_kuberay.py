@@ -114,9 +114,10 @@ def test_pod_mounts_only_volumes_it_declares_and_refers_to_secrets_by_name_and_k
         for port in container.get("ports", []):
             assert len(port["name"]) <= 15, port  # Kubernetes port names are IANA service names
         for item in container.get("env", []):
-            for ref in ("secretKeyRef", "configMapKeyRef"):
-                if ref in item.get("valueFrom", {}):
-                    assert set(item["valueFrom"][ref]) == {"name", "key"}, item
+            if "secretKeyRef" in item.get("valueFrom", {}):
+                assert set(item["valueFrom"]["secretKeyRef"]) == {"name", "key"}, item
+            if "configMapKeyRef" in item.get("valueFrom", {}):
+                assert set(item["valueFrom"]["configMapKeyRef"]) == {"name", "key", "optional"}, item
 
 
 def test_workload_selectors_match_their_pod_labels_and_services_find_them():
@@ -269,7 +270,57 @@ def test_rayjob_entrypoint_without_its_configmap_stops_naming_it(vitsweep_record
 def test_rayjob_head_gets_the_data_uri_from_the_configmap_its_entrypoint_names():
     (head,) = one("RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert env_of(head)["VITSWEEP_DATA_URI"]["valueFrom"] == {
-        "configMapKeyRef": {"name": "vitsweep-data", "key": "data-uri"}}
+        "configMapKeyRef": {"name": "vitsweep-data", "key": "data-uri", "optional": True}}
+
+
+def containers_of(tree) -> list[dict]:
+    """Every container (and init container) under a manifest."""
+    if isinstance(tree, list):
+        return [container for value in tree for container in containers_of(value)]
+    if not isinstance(tree, dict):
+        return []
+    own = [c for key in ("containers", "initContainers") if isinstance(tree.get(key), list) for c in tree[key]]
+    return own + [container for value in tree.values() for container in containers_of(value)]
+
+
+def configmap_variables() -> list[tuple[str, dict, str]]:
+    """(where, env item, what its container runs) for every variable taken from a ConfigMap."""
+    found = []
+    for _, doc in manifests():
+        for container in containers_of(doc):
+            runs = doc.get("spec", {}).get("entrypoint", "") + " ".join(container.get("command", []) + container.get("args", []))
+            found += [(f"{doc['kind']}/{doc['metadata']['name']} {item['name']}", item, runs)
+                      for item in container.get("env", []) if "configMapKeyRef" in item.get("valueFrom", {})]
+    return found
+
+
+@pytest.mark.parametrize("where,item,runs", configmap_variables(), ids=[where for where, _, _ in configmap_variables()])
+def test_a_missing_configmap_fails_its_user_at_once_naming_it(where, item, runs):
+    # A required ConfigMap that is missing holds the pod in CreateContainerConfigError (a RayJob waits in
+    # Initializing with its GPU nodes booked); optional, the variable is unset and its user says so.
+    ref = item["valueFrom"]["configMapKeyRef"]
+    assert ref["optional"] is True
+    assert re.search(rf"\$\{{{item['name']}:\?[^}}]*ConfigMap {ref['name']}\b", runs), runs
+
+
+def test_a_rayjob_gives_its_gpus_back_as_soon_as_the_run_ends():
+    # The run's logs and checkpoints are on the shared volume: nothing is gained by keeping 64 A100.
+    spec = one("RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 0
+
+
+def test_the_mlflow_server_spools_uploads_on_disk_and_keeps_its_auth_settings_in_memory():
+    # Proxied artifact uploads are written whole to the server's temp dir before they go to the bucket.
+    pod = one("Deployment", "mlflow")["spec"]["template"]["spec"]
+    container = mlflow_container()
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    scratch = mounts[env.get("TMPDIR") or "/tmp"]["emptyDir"]
+    assert "medium" not in scratch and quantity(scratch["sizeLimit"]) >= 4 * 2**30  # disk, a few Gi
+    assert quantity(container["resources"]["requests"]["ephemeral-storage"]) >= quantity(scratch["sizeLimit"])
+    settings = mounts[str(Path(env["MLFLOW_AUTH_CONFIG_PATH"]).parent)]["emptyDir"]
+    assert settings["medium"] == "Memory"  # it holds the database URI with its password
 
 
 def mlflow_container() -> dict:
@@ -327,3 +378,43 @@ def test_mlflow_health_probes_use_a_route_basic_auth_leaves_open_and_the_api_is_
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"].startswith(open_routes)
     assert not "/api/2.0/mlflow/runs/search".startswith(open_routes)
+
+
+def mounts_claim(pod: dict, claims: set[str]) -> set[str]:
+    """The claims a pod mounts: its PersistentVolumeClaim volumes and its StatefulSet's claim templates."""
+    return claims | {volume["persistentVolumeClaim"]["claimName"] for volume in pod.get("volumes", [])
+                     if "persistentVolumeClaim" in volume}
+
+
+@pytest.mark.parametrize("name,pod,claims", pod_specs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_pods_that_run_as_a_user_write_their_root_owned_volumes_through_their_group(name, pod, claims):
+    if not mounts_claim(pod, claims):
+        return
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] != 0, name
+    assert security["fsGroup"] == security["runAsGroup" if "runAsGroup" in security else "runAsUser"], name
+    if "vitsweep-shared" in mounts_claim(pod, claims):  # 1 Ti shared by every pod: no recursive chown per start
+        assert security["fsGroupChangePolicy"] == "OnRootMismatch", name
+
+
+def test_ray_pods_run_as_the_images_user():
+    user = re.findall(r"^USER (\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)[-1]
+    assert user == "ray"  # rayproject/ray's user: uid 1000, group users (100)
+    for name, pod, _ in pod_specs():
+        if name.startswith(("RayCluster", "RayJob")):
+            assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (1000, 100), name
+
+
+@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+def test_gpu_worker_pods_run_as_an_account_that_holds_no_kubernetes_permissions(kind):
+    # The head's account carries the autoscaler's pod permissions (KubeRay binds them to it); a GPU
+    # worker reads data with its cloud identity, gets its two secrets from the kubelet and writes
+    # checkpoints to the shared volume: it needs no Kubernetes API token at all.
+    spec = cluster_specs()[kind]
+    head_account = spec["headGroupSpec"]["template"]["spec"]["serviceAccountName"]
+    account = one("ServiceAccount", "vitsweep-gpu-worker")
+    assert account["automountServiceAccountToken"] is False
+    for group in spec["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert pod["serviceAccountName"] == "vitsweep-gpu-worker" != head_account
+        assert pod["automountServiceAccountToken"] is False

@@ -120,13 +120,19 @@ def test_launcher_starts_every_node_with_token_auth_read_from_the_secret_store(n
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)
-def test_launcher_gives_mlflow_credentials_to_the_head_only_from_the_secret_store(name):
+def test_launcher_gives_every_node_mlflow_credentials_from_the_secret_store_as_ray_starts(name):
+    # Trial functions, Ray Train's controllers and each node's system-metrics monitor log from the GPU
+    # nodes too: every Ray process inherits its node's `ray start` environment, and nothing else has them.
     config = launcher(name)
     reader = SECRET_READER[config["provider"]["type"]]
-    (head,) = [command for command in config["head_start_ray_commands"] if "ray start" in command]
-    assert f"mlflow_password=$({reader} vitsweep-mlflow-password) &&" in head
-    assert 'MLFLOW_TRACKING_PASSWORD="$mlflow_password"' in head
-    assert not any("MLFLOW" in command for command in config["worker_start_ray_commands"])
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [command for command in config[key] if "ray start" in command]
+        assert f"mlflow_password=$({reader} vitsweep-mlflow-password) &&" in start, key
+        assert 'MLFLOW_TRACKING_USERNAME=vitsweep-train MLFLOW_TRACKING_PASSWORD="$mlflow_password" &&' in start, key
+        assert start.index("MLFLOW_TRACKING_PASSWORD") < start.index("ray start"), key
+    elsewhere = {key: value for key, value in config.items() if key not in ("head_start_ray_commands",
+                                                                          "worker_start_ray_commands")}
+    assert "MLFLOW_TRACKING_PASSWORD" not in yaml.safe_dump(elsewhere)
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)
@@ -198,3 +204,37 @@ def test_launcher_refuses_a_gpu_node_that_does_not_see_all_its_gpus(name):
     (check,) = [command for command in config["worker_setup_commands"] if "nvidia-smi" in command]
     (node,) = gpu_node_types(config).values()
     assert check.endswith(f"-eq {node['resources']['GPU']}")
+
+
+def test_the_readmes_gcp_setup_line_sets_the_project_and_the_gpu_workers_account_together(tmp_path):
+    (line,) = [line for line in (CLUSTER.parent / "README.md").read_text().splitlines()
+               if line.startswith("sed -i") and "cluster/gcp-a2.yaml" in line]
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "gcp-a2.yaml").write_text((CLUSTER / "gcp-a2.yaml").read_text())
+    subprocess.run(["bash", "-c", line], cwd=tmp_path, env={"PROJECT": "my-project", "PATH": "/usr/bin:/bin"},
+                   check=True)
+    config = yaml.safe_load((tmp_path / "cluster" / "gcp-a2.yaml").read_text())
+    (account,) = [node for node in gpu_node_types(config).values()][0]["node_config"]["serviceAccounts"]
+    assert config["provider"]["project_id"] == "my-project"
+    assert account["email"] == "vitsweep-gpu-worker@my-project.iam.gserviceaccount.com"
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_gcp_nodes_use_gvnic_and_a2_gets_the_local_ssd_count_gce_allows(name):
+    config = launcher(name)
+    if config["provider"]["type"] != "gcp":
+        return
+    for node in config["available_node_types"].values():
+        # Without networkInterfaces Ray's GCP provider adds one of its own, a VIRTIO_NET NIC.
+        (interface,) = node["node_config"]["networkInterfaces"]
+        assert interface["nicType"] == "GVNIC"
+        assert interface["subnetwork"].startswith(f"regions/{config['provider']['region']}/")
+        machine = node["node_config"]["machineType"]
+        scratch = [disk for disk in node["node_config"]["disks"] if disk["type"] == "SCRATCH"]
+        assert len(scratch) in GCE_LOCAL_SSD_COUNTS.get(machine, (0,)), (machine, len(scratch))
+
+
+# Compute Engine's allowed numbers of 375 GB local SSDs per A2 Standard machine type ("Choose a valid
+# number of Local SSD disks", cloud.google.com/compute/docs/disks/local-ssd): a2-highgpu-8g takes 8.
+GCE_LOCAL_SSD_COUNTS = {"a2-highgpu-1g": (1, 2, 4, 8), "a2-highgpu-2g": (2, 4, 8), "a2-highgpu-4g": (4, 8),
+                        "a2-highgpu-8g": (8,), "a2-megagpu-16g": (8,)}

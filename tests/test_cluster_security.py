@@ -1,5 +1,6 @@
 """Security by default across cluster/: no secret in a config, an image reference or an MLflow param;
 every credential comes from the platform's secret store; every Ray node runs the one image."""
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -81,3 +82,74 @@ def test_every_ray_node_runs_the_image_of_this_version_and_mlflow_its_own():
     assert any(re.fullmatch(rf"(\S+/)?vitsweep-mlflow:{re.escape(version)}", image) for image in images)
     dockerfile = (CLUSTER / "Dockerfile").read_text()
     assert f"-t vitsweep:{version} ." in dockerfile and f"--target mlflow-server -t vitsweep-mlflow:{version} ." in dockerfile
+
+
+def ray_pods() -> list[tuple[str, dict]]:
+    """(where, pod spec) of every Ray pod: heads and worker groups of the RayCluster and the RayJob."""
+    pods = []
+    for path in sorted((CLUSTER / "kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("RayCluster", "RayJob"):
+                spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+                pods.append((f"{path.name} head", spec["headGroupSpec"]["template"]["spec"]))
+                pods += [(f"{path.name} {group['groupName']}", group["template"]["spec"])
+                         for group in spec["workerGroupSpecs"]]
+    return pods
+
+
+@pytest.mark.parametrize("where,pod", ray_pods(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_ray_node_gets_mlflow_credentials_from_the_same_secret(where, pod):
+    # Trial functions, Ray Train's controllers and each node's system-metrics monitor run on GPU pods too.
+    (ray_container,) = pod["containers"]
+    env = {item["name"]: item.get("valueFrom") for item in ray_container["env"]}
+    assert env["MLFLOW_TRACKING_USERNAME"] == {"secretKeyRef": {"name": "vitsweep-mlflow-client", "key": "username"}}
+    assert env["MLFLOW_TRACKING_PASSWORD"] == {"secretKeyRef": {"name": "vitsweep-mlflow-client", "key": "password"}}
+    for init in pod.get("initContainers", []):  # the driver check logs nothing
+        assert not [item for item in init.get("env", []) if item["name"].startswith("MLFLOW_")], where
+
+
+README = ROOT / "README.md"
+AWS_WORKER_POLICY = CLUSTER / "iam" / "aws-gpu-worker-policy.json"
+
+
+def launcher(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def gpu_node_config(name: str) -> dict:
+    (node,) = [node for node in launcher(name)["available_node_types"].values() if node["resources"].get("GPU")]
+    return node["node_config"]
+
+
+def test_aws_gpu_workers_have_a_role_of_their_own_not_the_autoscalers():
+    config = launcher("aws-p4d.yaml")
+    head = config["available_node_types"][config["head_node_type"]]["node_config"]
+    assert "IamInstanceProfile" not in head  # `ray up` gives the head its ray-autoscaler-v1 role
+    assert gpu_node_config("aws-p4d.yaml")["IamInstanceProfile"] == {"Name": "vitsweep-gpu-worker"}
+
+
+def test_the_aws_gpu_worker_role_reads_the_data_and_two_secrets_and_writes_checkpoints_only():
+    statements = json.loads(AWS_WORKER_POLICY.read_text())["Statement"]
+    granted = {action: statement["Resource"] for statement in statements for action in statement["Action"]}
+    assert set(granted) == {"s3:ListBucket", "s3:GetObject", "secretsmanager:GetSecretValue",
+                            "elasticfilesystem:DescribeFileSystems", "elasticfilesystem:ClientMount",
+                            "elasticfilesystem:ClientWrite"}
+    assert all(statement["Effect"] == "Allow" and "*" not in "".join(statement["Action"]) for statement in statements)
+    assert granted["s3:GetObject"] == "arn:aws:s3:::your-bucket/*" and granted["s3:ListBucket"] == "arn:aws:s3:::your-bucket"
+    secrets = granted["secretsmanager:GetSecretValue"]
+    assert sorted(arn.split(":secret:")[1] for arn in secrets) == ["vitsweep-mlflow-password-*", "vitsweep-ray-auth-token-*"]
+    (mount,) = [statement for statement in statements if "elasticfilesystem:ClientWrite" in statement["Action"]]
+    assert mount["Condition"] == {"StringEquals": {"aws:ResourceTag/Name": "vitsweep-shared"}}
+    (applied,) = [line for line in README.read_text().splitlines()
+                  if "--policy-document" in line and str(AWS_WORKER_POLICY.relative_to(ROOT)) in line]
+    assert "s/your-bucket/$BUCKET/" in applied  # the README's setup applies it to your bucket
+
+
+def test_gcp_gpu_workers_run_as_an_account_of_their_own_granted_only_what_they_need():
+    (account,) = gpu_node_config("gcp-a2.yaml")["serviceAccounts"]
+    assert account["email"] == "vitsweep-gpu-worker@PROJECT_ID.iam.gserviceaccount.com"  # not the default account
+    grants = [line for line in README.read_text().splitlines() if "--member=serviceAccount:$SA" in line]
+    roles = sorted(re.search(r"--role=([\w./]+)", line).group(1) for line in grants)
+    assert roles == ["roles/file.viewer", "roles/secretmanager.secretAccessor", "roles/storage.objectViewer"]
+    (secret_grant,) = [line for line in grants if "secretAccessor" in line]
+    assert "for s in vitsweep-ray-auth-token vitsweep-mlflow-password;" in secret_grant  # the two secrets only

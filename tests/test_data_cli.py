@@ -50,7 +50,8 @@ def test_write_of_an_imagefolder_warns_about_skipped_files_on_stderr(tmp_path, c
     Image.new("RGB", (8, 8), "red").save(tmp_path / "src" / "cat" / "a.png")
     (tmp_path / "src" / "cat" / "notes.txt").write_text("not an image")
     assert main(["data", "write", str(tmp_path / "src"), str(tmp_path / "x.beton"), "--workers", "1"]) == EXIT_OK
-    assert "warning: skipped 1 non-image file(s)" in capsys.readouterr().err
+    assert f"warning: skipped 1 file(s) under {str(tmp_path / 'src')!r} that are not readable images" in \
+        capsys.readouterr().err
 
 
 def test_inspect_of_a_truncated_file_exits_2_naming_it(tmp_path, capsys):
@@ -111,3 +112,19 @@ def test_write_defaults_to_ffcv_imagenets_storage_and_records_chunk_digests(tmp_
     assert (sidecar.write.write_mode, sidecar.write.max_resolution) == ("proportion", 500)
     assert (sidecar.write.jpeg_quality, sidecar.write.compress_probability) == (90, 0.5)
     assert sidecar.chunk_sha256 and len(sidecar.chunk_sha256) == 1
+
+
+def test_write_of_some_classes_and_a_few_images_of_each_records_the_subset(tmp_path, capsys):
+    beton = tmp_path / "few.beton"
+    assert main(["data", "write", "digits", str(beton), "--split", "train", "--img-size", "8", "--write-mode", "raw",
+                 "--classes", "5,6,7", "--per-class", "4", "--workers", "1"]) == EXIT_OK
+    sidecar = read_sidecar(beton)
+    assert sidecar.classes == ["5", "6", "7"] and sidecar.counts_per_class == {"5": 4, "6": 4, "7": 4}
+    assert (sidecar.source.selected_classes, sidecar.source.per_class) == (["5", "6", "7"], 4)
+    assert "12 samples, 3 classes" in capsys.readouterr().out
+
+
+def test_write_of_a_class_the_source_lacks_exits_2_naming_it(tmp_path, capsys):
+    beton = tmp_path / "few.beton"
+    assert main(["data", "write", "digits", str(beton), "--split", "val", "--classes", "5,x"]) == EXIT_INVALID_INPUT
+    assert "--classes x: not classes of" in capsys.readouterr().err and not beton.exists()

@@ -10,6 +10,8 @@ from pipeline.data.sources import (
     DigitsSource,
     ImageFolderSource,
     SkippedFilesWarning,
+    SmallClassWarning,
+    SubsetSource,
     find_cifar,
     open_source,
 )
@@ -72,15 +74,18 @@ def test_class_folder_holding_only_non_images_counts_as_empty(tmp_path):
         ImageFolderSource(tmp_path)
 
 
-def test_non_image_files_are_skipped_and_counted_in_a_warning(tmp_path):
+def test_files_that_are_not_readable_images_are_skipped_and_each_is_named_in_a_warning(tmp_path):
     _save(tmp_path / "cat" / "a.png", _rgb(0))
     _save(tmp_path / "cat" / "b.jpg", _rgb(1), quality=95)
     (tmp_path / "cat" / "README.txt").write_text("hello")
     (tmp_path / "cat" / ".DS_Store").write_bytes(b"\x00\x01junk")
     (tmp_path / "cat" / "fake.jpg").write_bytes(b"this is not a jpeg")
-    with pytest.warns(SkippedFilesWarning, match="skipped 3 non-image"):
+    (tmp_path / "cat" / "d.txt").write_text("more")
+    with pytest.warns(SkippedFilesWarning, match="skipped 4 file") as caught:
         source = ImageFolderSource(tmp_path)
-    assert len(source) == 2 and len(source.skipped) == 3
+    assert len(source) == 2 and len(source.skipped) == 4
+    assert all(f"{tmp_path / 'cat' / name}: not an image" in str(caught[0].message)
+               for name in ("README.txt", ".DS_Store", "fake.jpg", "d.txt"))
 
 
 def _expected_rgb(mode: str, pixels: np.ndarray) -> np.ndarray:
@@ -172,11 +177,14 @@ def test_cifar_label_outside_the_class_range_is_invalid_input_naming_file_and_va
         open_source(str(tmp_path), split="train")
 
 
-@pytest.mark.parametrize("source", ["digits", "cifar"])
+@pytest.mark.parametrize("source", ["digits", "cifar", "imagefolder"])
 def test_sources_with_two_splits_require_choosing_one(tmp_path, source):
     if source == "cifar":
         write_cifar10(tmp_path)
-    with pytest.raises(InvalidInputError, match="--split"):
+    if source == "imagefolder":  # only train/ and val/: splits, which must not become two classes
+        _save(tmp_path / "train" / "a" / "1.png", _rgb(0))
+        _save(tmp_path / "val" / "a" / "1.png", _rgb(1))
+    with pytest.raises(InvalidInputError, match=r"--split \{train,val\}"):
         open_source("digits" if source == "digits" else str(tmp_path))
 
 
@@ -186,3 +194,33 @@ def test_imagefolder_split_selects_the_split_folder(tmp_path):
     _save(tmp_path / "val" / "b" / "1.png", _rgb(2))
     assert len(open_source(str(tmp_path), split="val")) == 2
     assert open_source(str(tmp_path), split="train").classes == ["a"]
+
+
+def test_a_subset_keeps_the_named_classes_relabelled_in_order_and_the_first_images_of_each():
+    digits = DigitsSource("train", 8)
+    subset = SubsetSource(digits, ["7", "2"], per_class=3)
+    assert subset.classes == ["7", "2"] and np.bincount(subset.labels).tolist() == [3, 3]
+    assert [subset.classes[label] for label in subset.labels] == [digits.classes[digits.labels[i]] for i in subset.indices]
+    firsts = [i for i, label in enumerate(digits.labels) if label == 7][:3]
+    assert [i for i, label in zip(subset.indices, subset.labels) if label == 0] == firsts
+    image, label = subset[0]
+    assert label == subset.labels[0] and np.array_equal(image, digits[subset.indices[0]][0])
+    assert (subset.selected_classes, subset.per_class) == (["7", "2"], 3)
+
+
+def test_a_subset_of_every_class_caps_each_and_warns_of_a_class_with_fewer_images():
+    digits = DigitsSource("val", 8)
+    with pytest.warns(SmallClassWarning, match=r"--per-class 36: 2 \(35\), 8 \(35\) hold\(s\) fewer images"):
+        subset = SubsetSource(digits, per_class=36)
+    assert subset.classes == digits.classes and subset.selected_classes is None
+    assert np.bincount(subset.labels).tolist() == [36, 36, 35, 36, 36, 36, 36, 36, 35, 36]
+
+
+@pytest.mark.parametrize("classes, per_class, message", [
+    (["3", "eleven"], None, "--classes eleven: not classes of"),
+    (["3", "3"], None, "names a class twice"),
+    (None, 0, "--per-class 0: need at least 1"),
+])
+def test_a_subset_of_classes_the_source_lacks_is_refused_naming_them(classes, per_class, message):
+    with pytest.raises(InvalidInputError, match=message):
+        SubsetSource(DigitsSource("val", 8), classes, per_class)

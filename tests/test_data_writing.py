@@ -10,7 +10,7 @@ from PIL import Image
 
 from pipeline.data.runtime import ThreadCountPreservingLoader
 from pipeline.data.sidecar import WriteOptions, read_sidecar, sha256_of, sidecar_path
-from pipeline.data.sources import ImageFolderSource, ImageSource
+from pipeline.data.sources import ImageFolderSource, ImageSource, SkippedFilesWarning
 from pipeline.data.writing import WriteFailedError, write_beton
 from pipeline.errors import InvalidInputError
 
@@ -120,17 +120,38 @@ def test_label_outside_the_class_range_is_rejected_before_writing(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_undecodable_image_fails_the_write_naming_it_and_leaves_no_file(tmp_path):
-    images = tmp_path / "images" / "cat"
-    images.mkdir(parents=True)
-    for i in range(3):
-        Image.fromarray(np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
-            images / f"{i}.jpg", quality=95)
-    whole = (images / "1.jpg").read_bytes()
-    (images / "1.jpg").write_bytes(whole[: len(whole) // 2])  # header intact, data truncated
+def test_a_truncated_image_is_left_out_and_named_like_a_file_that_is_no_image(tmp_path):
+    images = tmp_path / "images"
+    for label in ("cat", "dog"):
+        (images / label).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+                images / label / f"{i}.jpg", quality=95)
+    whole = (images / "cat" / "1.jpg").read_bytes()
+    (images / "cat" / "1.jpg").write_bytes(whole[: len(whole) // 2])  # header intact, data truncated
+    (images / "dog" / "2.jpg").write_bytes(b"no image at all")
+    with pytest.warns(SkippedFilesWarning) as caught:
+        sidecar = write_beton(ImageFolderSource(images), tmp_path / "d.beton", num_workers=2)
+    named = "\n".join(str(warning.message) for warning in caught)
+    assert f"{images / 'dog' / '2.jpg'}: not an image" in named
+    assert f"{images / 'cat' / '1.jpg'}: OSError: image file is truncated" in named
+    assert sidecar.num_samples == 4 and sidecar.counts_per_class == {"cat": 2, "dog": 2}
+    assert sidecar.source.skipped_files == 2
+    _, labels = read_back(tmp_path / "d.beton", CenterCropRGBImageDecoder((32, 32), ratio=1.0))
+    assert labels.tolist() == [0, 0, 1, 1]
+
+
+def test_a_class_whose_only_image_is_truncated_fails_the_write_naming_it_and_leaves_no_file(tmp_path):
+    images = tmp_path / "images"
+    for label in ("cat", "dog"):
+        (images / label).mkdir(parents=True)
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+            images / label / "0.jpg", quality=95)
+    whole = (images / "dog" / "0.jpg").read_bytes()
+    (images / "dog" / "0.jpg").write_bytes(whole[: len(whole) // 2])
     out = tmp_path / "out"
-    with pytest.raises(InvalidInputError, match=r"1\.jpg.*truncated"):
-        write_beton(ImageFolderSource(tmp_path / "images"), out / "d.beton", num_workers=2)
+    with pytest.raises(InvalidInputError, match=r"\['dog'\].*no readable images(.|\n)*0\.jpg: OSError: image file is trunc"):
+        write_beton(ImageFolderSource(images), out / "d.beton", num_workers=2)
     assert leftovers(out) == []
 
 
@@ -142,7 +163,7 @@ class GrayscaleArraySource(ArraySource):
 
 
 def test_an_image_ffcv_cannot_encode_fails_the_write_naming_it(tmp_path):
-    source = random_source(count=30)
+    source = random_source(count=30)  # in memory: no file to leave out, a fault of the source
     with pytest.raises(InvalidInputError, match=r"sample 7: ValueError: an image must be an HxWx3 uint8 array"):
         write_beton(GrayscaleArraySource(source.images, source.labels, 5), tmp_path / "d.beton", num_workers=2)
     assert leftovers(tmp_path) == []

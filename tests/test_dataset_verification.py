@@ -26,6 +26,16 @@ def beton(pristine, tmp_path):
     return copy
 
 
+@pytest.fixture
+def remote(pristine):
+    """A good .beton and its sidecar behind a memory:// URI, whose info() carries a version ('created')."""
+    filesystem = fsspec.filesystem("memory")
+    filesystem.pipe("/bucket/val.beton", pristine.read_bytes())
+    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
+    yield filesystem, "memory://bucket/val.beton"
+    filesystem.rm("/bucket", recursive=True)
+
+
 def _change_64_bytes_mid_file(data: bytes) -> bytes:
     middle = len(data) // 2
     return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:]
@@ -60,14 +70,8 @@ def test_a_damaged_file_behind_another_uri_is_refused_before_staging(pristine, t
         filesystem.rm("/bucket", recursive=True)
 
 
-def test_a_sound_file_behind_another_uri_is_verified(pristine, tmp_path):
-    filesystem = fsspec.filesystem("memory")
-    filesystem.pipe("/bucket/val.beton", pristine.read_bytes())
-    filesystem.pipe("/bucket/val.beton.json", sidecar_path(pristine).read_bytes())
-    try:
-        assert verify_dataset("memory://bucket/val.beton", tmp_path / "verified.json").num_samples > 0
-    finally:
-        filesystem.rm("/bucket", recursive=True)
+def test_a_sound_file_behind_another_uri_is_verified(remote, tmp_path):
+    assert verify_dataset(remote[1], tmp_path / "verified.json").num_samples > 0
 
 
 def test_an_unchanged_file_is_trusted_from_its_record_without_hashing_again(beton, tmp_path):
@@ -105,3 +109,28 @@ def test_a_sidecar_beside_another_file_is_refused_naming_both(beton, tmp_path):
 def test_the_record_lives_in_the_node_cache_dir_when_the_cluster_sets_one(tmp_path, monkeypatch):
     monkeypatch.setenv("VITSWEEP_CACHE_DIR", str(tmp_path / "nvme"))
     assert verified_record_path() == tmp_path / "nvme" / "verified-datasets.json"
+
+
+def test_a_remote_file_rewritten_with_the_same_size_is_hashed_again_and_refused(remote, pristine, tmp_path):
+    filesystem, uri = remote
+    record = tmp_path / "verified.json"
+    verify_dataset(uri, record)
+    before = filesystem.info("/bucket/val.beton")
+    filesystem.pipe("/bucket/val.beton", _change_64_bytes_mid_file(pristine.read_bytes()))  # a new object version
+    after = filesystem.info("/bucket/val.beton")
+    assert after["size"] == before["size"] and after["created"] != before["created"]
+    with pytest.raises(ChecksumMismatchError, match=uri):
+        verify_dataset(uri, record)
+
+
+def test_an_unchanged_remote_file_is_trusted_from_its_record_by_size_and_version(remote, pristine, tmp_path):
+    filesystem, uri = remote
+    record = tmp_path / "verified.json"
+    verify_dataset(uri, record)
+    assert json.loads(record.read_text())[uri]["created"] == str(filesystem.info("/bucket/val.beton")["created"])
+    # Bytes changed inside the same object version: a second hash would refuse it, so its acceptance
+    # shows the record was used instead.
+    stored = filesystem.store["/bucket/val.beton"]
+    stored.seek(0)
+    stored.write(_change_64_bytes_mid_file(pristine.read_bytes()))
+    verify_dataset(uri, record)

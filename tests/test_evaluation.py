@@ -21,7 +21,7 @@ from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton
 from pipeline.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.metrics import ConfusionTally
-from pipeline.worker import evaluate
+from pipeline.metrics import evaluate
 from test_data_images import NoiseSource
 
 

@@ -1,17 +1,23 @@
 """Faults injected into real runs: whatever ends a run, its MLflow status says so with a one-line
-reason, the console's last line says what happened, and nothing half-written is left to resume from."""
+reason, the console's last line says what happened, and nothing half-written is left to resume from.
+The finished run a refused re-run must leave alone is a ZeRO-3 run with --verbose: its final weights,
+gathered from both ranks, and its console are checked here too."""
+import re
 import signal
 import socket
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_model
 
-from conftest import RunningVitsweep, run_vitsweep, train_command, wait_for
+from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command, wait_for
 from pipeline.checkpointing import read_meta
+from pipeline.config import load_config
+from pipeline.modeling import build_model
 from pipeline.runs import unregistered_checkpoints
+from test_tune_e2e import tune_command
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +37,53 @@ def test_a_signal_to_the_driver_ends_the_run_killed_and_stops_its_workers(tmp_pa
     storage = tmp_path / "runs"
     driver = RunningVitsweep(train_command(storage, digits16, "run.name=stopped", "optim.epochs=30"))
     driver.wait_for_line("epoch 1/30")
-    workers = [worker.pid for worker in driver.train_workers()]
+    assert driver.train_workers()
     driver.process.send_signal(signum)
     assert driver.finish(timeout=120) == exit_code, driver.output[-3000:]
     name = signal.Signals(signum).name
-    assert _last_line(driver.output).startswith(f"vitsweep train: interrupted by {name}")
+    assert _last_line(driver.output).startswith(f"vitsweep train: interrupted by {name}; MLflow run")
     (run,) = _runs(storage)
     assert run.info.status == "KILLED" and run.data.tags["stop_reason"] == f"interrupted: {name}"
-    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), 30, "the workers to stop")
+    wait_for(lambda: not driver.processes(), 30, "every process the command started (its workers too) to end")
+
+
+def _ray_is_starting(driver: RunningVitsweep, cache: Path) -> bool:
+    """The driver's local Ray has started its first process (the GCS server): ``ray.init`` is under way."""
+    return any(process.name().startswith("gcs_server") for process in driver.processes())
+
+
+def _checks_are_under_way(driver: RunningVitsweep, cache: Path) -> bool:
+    """The checks verified the first dataset (and recorded it); the model and the MLflow store are next."""
+    return (cache / "verified-datasets.json").exists()
+
+
+@pytest.mark.parametrize("signum,exit_code,moment", [(signal.SIGINT, 130, _checks_are_under_way),
+                                                      (signal.SIGTERM, 143, _ray_is_starting)],
+                         ids=["SIGINT_during_the_checks", "SIGTERM_during_Ray_start"])
+def test_a_signal_during_start_up_exits_with_its_code_in_one_line_and_leaves_no_process(
+        tmp_path, digits16, signum, exit_code, moment):
+    storage, cache = tmp_path / "runs", tmp_path / "cache"  # a cache of its own: the datasets are verified anew
+    driver = RunningVitsweep(train_command(storage, digits16, "run.name=early"), env={"VITSWEEP_CACHE_DIR": str(cache)})
+    wait_for(lambda: moment(driver, cache) or driver.process.poll() is not None, 120, moment.__doc__)
+    driver.process.send_signal(signum)
+    assert driver.finish(timeout=120) == exit_code, driver.output[-3000:]
+    name = signal.Signals(signum).name
+    assert _last_line(driver.output).startswith(f"vitsweep train: interrupted by {name}"), driver.output[-3000:]
+    assert "Traceback" not in driver.output and "received at time" not in driver.output  # nor Ray's C++ dump
+    assert all(run.info.status == "KILLED" for run in _runs(storage))  # a run opened meanwhile is never left RUNNING
+    wait_for(lambda: not driver.processes(), 30, "every process the command started to end")
+
+
+def test_a_signal_while_a_sweep_starts_its_ray_exits_with_its_code_and_leaves_no_process(tmp_path, digits16):
+    cache = tmp_path / "cache"
+    sweep = RunningVitsweep(tune_command(tmp_path / "runs", digits16, "lr_wd", "tune.scheduler=fifo"),
+                            env={"VITSWEEP_CACHE_DIR": str(cache)})
+    wait_for(lambda: _ray_is_starting(sweep, cache) or sweep.process.poll() is not None, 120, _ray_is_starting.__doc__)
+    sweep.process.send_signal(signal.SIGTERM)
+    assert sweep.finish(timeout=120) == 143, sweep.output[-3000:]
+    assert _last_line(sweep.output).startswith("vitsweep tune: interrupted by SIGTERM"), sweep.output[-3000:]
+    assert "Traceback" not in sweep.output and "received at time" not in sweep.output
+    wait_for(lambda: not sweep.processes(), 30, "every process the command started to end")
 
 
 def test_a_killed_driver_leaves_no_unregistered_checkpoint_after_the_resume(tmp_path, digits16):
@@ -68,17 +113,45 @@ def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp
     driver = RunningVitsweep(train_command(storage, digits16, "run.name=lost-worker", "optim.epochs=30",
                                            "run.max_failures=0"))
     driver.wait_for_line("epoch 1/30")
-    driver.train_workers()[-1].kill()
+    killed = driver.train_workers()[-1]
+    killed.kill()
     assert driver.finish(timeout=300) == 1, driver.output[-3000:]
-    assert _last_line(driver.output).startswith("vitsweep train: error: ")
+    # What happened, not what it caused: the gloo error of the rank that lost its peer is no reason.
+    reason = rf"error: worker rank [01] \(pid {killed.pid} on [\d.]+\) died: its worker process has died"
+    assert re.match(f"vitsweep train: {reason}", _last_line(driver.output)), driver.output[-3000:]
     (run,) = _runs(storage)
-    assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
+    assert run.info.status == "FAILED" and re.match(reason, run.data.tags["stop_reason"])
 
 
-def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    args = train_command(storage, digits16, "run.name=done")
-    assert run_vitsweep(args).returncode == 0
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, digits16):
+    """A one-epoch run under ZeRO-3 (each rank holds half of every parameter), with --verbose."""
+    storage = tmp_path_factory.mktemp("finished") / "runs"
+    args = train_command(storage, digits16, "run.name=done", "deepspeed.zero_stage=3") + ["--verbose"]
+    result = run_vitsweep(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return storage, args, result
+
+
+def test_zero3_final_weights_gathered_from_both_ranks_score_the_runs_val_top1(finished_run, digits16):
+    storage, _, _ = finished_run
+    (run,) = _runs(storage)
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    cfg = load_config("smoke", ["deepspeed.zero_stage=3"])
+    model = build_model(cfg.model, num_classes=10)
+    load_model(model, client.download_artifacts(run.info.run_id, "model.safetensors", str(storage)))
+    assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)
+
+
+def test_verbose_shows_the_library_output_on_the_console_too(finished_run):
+    storage, _, result = finished_run
+    console = result.stdout + result.stderr
+    assert "TrainController" in console and "TrainController" in (storage / "done" / "vitsweep.log").read_text()
+    assert "epoch 1/1  train_loss" in result.stdout  # vitsweep's own lines as ever
+
+
+def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(finished_run):
+    storage, args, _ = finished_run
     (before,) = _runs(storage)
 
     result = run_vitsweep(args + ["--address", "http://127.0.0.1:8265"], timeout=120)
@@ -121,9 +194,10 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
     result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30",
                                         "model.args.depth=6", "model.args.embed_dim=192"))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert _last_line(result.stderr).startswith("vitsweep train: error: ")
     (run,) = _runs(storage)
-    assert run.info.status == "FAILED" and run.data.tags["stop_reason"].startswith("error: ")
+    reason = run.data.tags["stop_reason"]
+    assert run.info.status == "FAILED" and reason.startswith("error: ") and "No space left on device" in reason, reason
+    assert _last_line(result.stderr).startswith(f"vitsweep train: {reason}")
     assert unregistered_checkpoints(storage / "full") == []
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import VITSWEEP, vitsweep_env
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import load_config
+from pipeline.config import load_config, load_yaml
 from pipeline.errors import ConfigError
 
 
@@ -122,3 +122,60 @@ def test_a_directory_location_that_is_an_existing_file_exits_2(tmp_path, capsys,
     code, message = _validate(capsys, f"{key}={blocker}")
     assert code == EXIT_INVALID_INPUT
     assert key in message and "a directory is needed" in message
+
+
+@pytest.mark.parametrize("key", ["data.train", "data.val", "distill.teacher_checkpoint"])
+def test_a_directory_given_for_a_file_exits_2_saying_it_is_a_directory(tmp_path, capsys, key):
+    teacher = ["distill.teacher=xcit_nano_12_p8"] if key.startswith("distill") else []
+    code, message = _validate(capsys, f"{key}={tmp_path}", *teacher)
+    assert code == EXIT_INVALID_INPUT
+    assert f"{key}: {str(tmp_path)!r} is a directory, and a file is needed here" in message
+
+
+def test_a_config_file_that_is_a_directory_exits_2_saying_so(tmp_path, capsys):
+    (tmp_path / "my.yaml").mkdir()
+    code, message = _validate(capsys, config=str(tmp_path / "my.yaml"))
+    assert code == EXIT_INVALID_INPUT
+    assert f"{str(tmp_path / 'my.yaml')!r} is a directory, and a file is needed here" in message
+
+
+def test_a_search_space_file_that_is_a_directory_exits_2_saying_so(tmp_path, capsys):
+    (tmp_path / "space.yaml").mkdir()
+    code = main(["tune", "--config", "smoke", "--space", str(tmp_path / "space.yaml"),
+                 "--set", f"run.storage_path={tmp_path / 'runs'}"])
+    assert code == EXIT_INVALID_INPUT
+    assert "search space file: " in (message := capsys.readouterr().err) and "is a directory" in message
+
+
+def test_a_key_given_twice_in_a_config_file_exits_2_naming_the_key_and_both_lines(tmp_path, capsys):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  name: xcit_nano_12_p8\noptim:\n  lr: 1.0e-3\n  epochs: 3\n  lr: 2.0e-3\n")
+    code, message = _validate(capsys, config=str(path))
+    assert code == EXIT_INVALID_INPUT
+    assert "optim.lr is given twice (lines 4 and 6)" in message
+
+
+def test_a_key_given_twice_in_an_override_value_exits_2_naming_it(capsys):
+    code, message = _validate(capsys, "model.args={depth: 1, depth: 2}")
+    assert code == EXIT_INVALID_INPUT
+    assert "depth is given twice (line 1)" in message
+
+
+def test_a_key_given_twice_in_a_search_space_file_exits_2_naming_it(tmp_path, capsys):
+    path = tmp_path / "space.yaml"
+    path.write_text("params:\n  optim.lr: {values: [1.0e-3]}\n  optim.lr: {values: [5.0e-4]}\n")
+    code = main(["tune", "--config", "smoke", "--space", str(path), "--set", f"run.storage_path={tmp_path / 'runs'}"])
+    assert code == EXIT_INVALID_INPUT
+    assert "params.optim.lr is given twice (lines 2 and 3)" in capsys.readouterr().err
+
+
+def test_yaml_merge_keys_may_still_be_overridden():
+    assert load_yaml("base: &b {lr: 1, epochs: 2}\noptim:\n  <<: *b\n  lr: 3\n")["optim"] == {"lr": 3, "epochs": 2}
+
+
+@pytest.mark.parametrize("model", ["xcit_nano_12_p16", "deit_tiny_p16", "vit_mini_p4", "eit16_4_3_mini", "sot_tiny"])
+@pytest.mark.parametrize("depth", [0, 2.5])
+def test_a_depth_without_blocks_exits_2_naming_the_key_and_the_valid_range(capsys, model, depth):
+    code, message = _validate(capsys, f"model.name={model}", f"model.args.depth={depth}", "model.img_size=32")
+    assert code == EXIT_INVALID_INPUT
+    assert f"depth={depth} is out of range for {model}" in message and "integer >= 1" in message

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, vitsweep_env
+from conftest import free_port, readme_block, vitsweep_env
 from pipeline.jobs import git_provenance
 
 pytestmark = pytest.mark.slow
@@ -25,15 +25,9 @@ RAY = str(VENV_BIN / "ray")
 README_DASHBOARD = "http://127.0.0.1:8265"
 
 
-def readme_submit_block() -> list[str]:
-    """The commands of README's "`ray job submit`" code block, continuation lines joined."""
-    section = (REPO / "README.md").read_text().split("### `ray job submit`", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
-    return [line.strip() for line in block.replace("\\\n", " ").splitlines()]
-
-
 def readme_command(starting: str) -> str:
-    matches = [line for line in readme_submit_block() if re.match(rf"(\S+=\S+\s+)*{re.escape(starting)}", line)]
+    matches = [line for line in readme_block("### `ray job submit`")
+               if re.match(rf"(\S+=\S+\s+)*{re.escape(starting)}", line)]
     assert len(matches) == 1, f"README's `ray job submit` block should have one `{starting}` line: {matches}"
     return matches[0]
 

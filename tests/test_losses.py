@@ -1,13 +1,15 @@
 """The training loss is one function of (model output, targets, images), whatever the recipe."""
+import pytest
 import timm
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_model
 
 import models  # noqa: F401
-from pipeline.config import DataConfig, DistillConfig
+from pipeline.config import DataConfig, DistillConfig, load_config
+from pipeline.data.augment import BatchAugment
 from pipeline.distillation import HardDistillationLoss, build_teacher
-from pipeline.losses import TrainingLoss
+from pipeline.losses import TrainingLoss, build_training_loss
 
 
 def test_a_single_output_gets_the_task_loss():
@@ -40,3 +42,82 @@ def test_distillation_applies_to_every_branch_with_one_teacher_pass(tmp_path):
     loss = TrainingLoss(torch.nn.CrossEntropyLoss(), distillation)(branches, labels, images)
     assert len(calls) == 1
     assert torch.allclose(loss, distillation(branches[0], labels, images) + distillation(branches[1], labels, images))
+
+
+# build_training_loss, as the worker builds it from the config, against the formulas written out.
+
+def _config(*overrides: str):
+    return load_config("smoke", ["data.augment.label_smoothing=0", *overrides])
+
+
+def _training_loss(cfg):
+    return build_training_loss(cfg, BatchAugment(cfg.data.augment, 10), 10, torch.device("cpu"))
+
+
+def _cross_entropy_by_hand(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """mean over samples of -log softmax(logits)[label]."""
+    log_probs = logits - logits.exp().sum(-1, keepdim=True).log()
+    return -log_probs[torch.arange(len(labels)), labels].mean()
+
+
+LOGITS = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
+LABELS = torch.tensor([0, 3, 3, 9, 5, 1])
+IMAGES = torch.randn(6, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_the_configured_loss_without_smoothing_or_mixup_is_cross_entropy():
+    loss = _training_loss(_config())(LOGITS, LABELS, IMAGES)
+    torch.testing.assert_close(loss, _cross_entropy_by_hand(LOGITS, LABELS))
+
+
+def test_the_configured_loss_with_label_smoothing_spreads_epsilon_over_every_class():
+    loss = _training_loss(_config("data.augment.label_smoothing=0.2"))(LOGITS, LABELS, IMAGES)
+    log_probs = LOGITS.log_softmax(-1)
+    by_hand = (0.8 * -log_probs[torch.arange(6), LABELS] + 0.2 * -log_probs.mean(-1)).mean()
+    torch.testing.assert_close(loss, by_hand)
+
+
+def test_the_configured_loss_under_mixup_is_the_cross_entropy_to_the_soft_targets():
+    soft = torch.softmax(torch.randn(6, 10, generator=torch.Generator().manual_seed(2)), -1)
+    loss = _training_loss(_config("data.augment.mixup_alpha=0.8"))(LOGITS, soft, IMAGES)
+    torch.testing.assert_close(loss, -(soft * LOGITS.log_softmax(-1)).sum(-1).mean())
+
+
+def test_the_configured_loss_of_a_late_fusion_model_adds_each_branchs_loss():
+    word_logits = LOGITS.flip(0)
+    loss = _training_loss(_config())((LOGITS, word_logits), LABELS, IMAGES)
+    torch.testing.assert_close(loss, _cross_entropy_by_hand(LOGITS, LABELS) + _cross_entropy_by_hand(word_logits, LABELS))
+
+
+@pytest.fixture
+def teacher(tmp_path):
+    """A random but fixed teacher, saved as the config's checkpoint; returned as the plain timm model."""
+    model = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=1).eval()
+    save_model(model, str(tmp_path / "teacher.safetensors"))
+    return model, tmp_path / "teacher.safetensors"
+
+
+def test_the_configured_distillation_loss_mixes_in_the_teachers_argmax_by_alpha(teacher):
+    model, checkpoint = teacher
+    cfg = _config("distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
+                  'distill.teacher_args={"img_size": 16, "depth": 1}', "distill.alpha=0.3")
+    with torch.no_grad():
+        teacher_labels = model(IMAGES).argmax(-1)
+    assert not torch.equal(teacher_labels, LABELS)  # the teacher's target is not the label: ignoring it shows
+    word_logits = LOGITS.flip(0)
+    loss = _training_loss(cfg)((LOGITS, word_logits), LABELS, IMAGES)
+    by_hand = sum(0.7 * _cross_entropy_by_hand(branch, LABELS) + 0.3 * _cross_entropy_by_hand(branch, teacher_labels)
+                  for branch in (LOGITS, word_logits))
+    torch.testing.assert_close(loss, by_hand)
+
+
+def test_the_configured_teacher_runs_in_the_training_precision_it_is_given(teacher):
+    _, checkpoint = teacher
+    cfg = _config("distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
+                  'distill.teacher_args={"img_size": 16, "depth": 1}')
+    loss = build_training_loss(cfg, BatchAugment(cfg.data.augment, 10), 10, torch.device("cpu"),
+                               teacher_precision=torch.autocast("cpu", dtype=torch.bfloat16))
+    output_dtypes = []
+    loss.distillation.teacher.register_forward_hook(lambda module, args, output: output_dtypes.append(output.dtype))
+    loss(LOGITS, LABELS, IMAGES)
+    assert output_dtypes == [torch.bfloat16]

@@ -1,117 +1,77 @@
 """MLflow's UI (3.17, a real `mlflow server` on loopback) in headless Chromium, opened by the links
 vitsweep gives: a training run and a sweep's trials read as model-training runs (the runs table, not
-the GenAI "Overview"), with the sweep's knobs as columns and on the compare page.
+the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the sweep's chart
+view drawn as its saved view configures it; its summary page on the parent run.
 
 The training run's logged model, evaluated and registered as README "After training" does, lists on
 its page the evaluation (its dataset and metrics).
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, run_vitsweep, train_command, vitsweep_env, wait_for
+from conftest import mlflow_server, run_vitsweep, train_command, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
 from test_tune_e2e import tune_command
-from webdriver import NO_ASSISTANT_PANEL, Browser
+from webdriver import PARALLEL_COORDINATES_JS
 
 pytestmark = pytest.mark.slow
 
-MLFLOW = str(Path(sys.executable).parent / "mlflow")
 PRINTED_LINK = re.compile(r"then open: (http://127\.0\.0\.1:5000/\S+)")  # what a local store's command prints
+SUMMARY_LINK = re.compile(r"the sweep's result on one page: (http://127\.0\.0\.1:5000/\S+)")
+# the runs page's table / chart / artifacts switch: a radio input hidden inside the label a user clicks
+CHART_VIEW = "label:has(input[name=runs-view-mode][value=CHART])"
+AUTOMATIC_NAME = re.compile(r"^training (xcit_nano_12_p8-\d{8}-\d{6}): ", re.M)  # `<model>-<time>`
+# The demo's config (`make demo`: the default preset) on the suite's 16 px digits, 3 of its 6 epochs: the
+# fewest after which it has learnt (2 epochs: 64 %, all warmup and one cosine step; 3 epochs: 87.5 %).
+# Chance is 10 %: a loader pairing images with the wrong labels, or a model that does not train, stays near it.
+DEMO_EPOCHS, DEMO_FLOOR = 3, 70.0
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str]]:
-    """A store holding what a user has after `make demo` and a small sweep: a 2-epoch training run
-    and a 2-trial grid over the QKV embedding (kept small: 2 cores); and the UI links each printed."""
+def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str], str]:
+    """A store holding what a user has after `make demo` and a small sweep: the demo's run (its config,
+    shortened) under its automatic name, and a 2-trial grid over the QKV embedding (kept small: 2 cores);
+    and the UI links each printed."""
     storage = tmp_path_factory.mktemp("ui-store")
-    demo = run_vitsweep(train_command(storage, digits16, "optim.epochs=2", "run.name=demo"))
+    demo = run_vitsweep(train_command(storage, digits16, "model.img_size=16", f"optim.epochs={DEMO_EPOCHS}",
+                                      config="default"))
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
     space = storage / "qkv.yaml"
     space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
     sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
                                       "tune.scheduler=fifo"), timeout=1200)
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
-    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1)}
-    return storage, links
+    links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1),
+             "summary": SUMMARY_LINK.search(sweep.stdout).group(1)}
+    return storage, links, AUTOMATIC_NAME.search(demo.stdout).group(1)
 
 
 @pytest.fixture(scope="module")
 def server(store) -> str:
-    """`mlflow server` on a free loopback port over the store, stopped (its whole process group) after."""
-    store, _ = store
-    port = free_port()
-    log = (store / "mlflow-server.log").open("w")
-    process = subprocess.Popen(
-        [MLFLOW, "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=vitsweep_env(), start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_healthy(uri, process)
+    """`mlflow server` on a free loopback port over the store."""
+    storage, _, _ = store
+    with mlflow_server(storage / "mlflow-server.log", "--backend-store-uri", f"sqlite:///{storage / 'mlflow.db'}") as uri:
         yield uri
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
-            pass
-        with contextlib.suppress(ProcessLookupError):  # whatever of its own group is left
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        log.close()
-
-
-def _wait_until_healthy(uri: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
-    def healthy() -> bool:
-        assert process.poll() is None, f"mlflow server exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    wait_for(healthy, timeout, f"mlflow server at {uri} to answer /health")
 
 
 @pytest.fixture(scope="module")
 def runs(store):
     """The demo run, the sweep's parent and its trials, and their experiment id."""
-    store, _ = store
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    storage, _, _ = store
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
-    [demo] = [run for run in found if run.info.run_name == "demo"]
+    [demo] = [run for run in found if role(run) is None]
     [sweep] = [run for run in found if role(run) == "sweep"]
     trials = [run for run in found if role(run) == "trial"]
     assert len(trials) == 2
     return experiment, demo, sweep, trials
-
-
-@pytest.fixture
-def screenshots(tmp_path) -> Path:
-    return Path(os.environ.get("VITSWEEP_UI_SCREENSHOTS") or tmp_path)
-
-
-@pytest.fixture
-def browser(server):
-    """Chromium as a visitor who has dismissed the MLflow Assistant panel; nothing else is preset, so
-    the model-training mode must come from the link."""
-    with Browser(width=1400, height=900) as chromium:
-        chromium.seed_local_storage(server, NO_ASSISTANT_PANEL)
-        yield chromium
 
 
 def _printed(store, which: str, server: str) -> str:
@@ -129,7 +89,7 @@ def evaluated(store, runs):
     from pipeline.cli import main
     from pipeline.evaluation import ROLE, ROLE_TAG
 
-    storage, _ = store
+    storage, _, _ = store
     experiment, trained, _, _ = runs
     source, settings = f"runs:/{trained.info.run_id}/model", ["--set", f"run.storage_path={storage}"]
     data = storage.parent / trained.data.params["data.val"]  # a relative path is the user directory's (the store's parent)
@@ -162,19 +122,21 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     browser.wait_for_text("Overview", "Parameters", "val_top1")
     browser.screenshot(screenshots / "demo_run.png")
     facts = browser.facts()
-    assert facts["heading"] == "demo"
+    assert facts["heading"] == demo.info.run_name
     assert "Model registry" in facts["text"]  # the model-training sidebar
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
                                                                              screenshots):
+    _, _, sweep, _ = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.wait_for_text(sweep.info.run_name, "val_top1")
     browser.screenshot(screenshots / "sweep_runs.png")
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
-    assert {"params.`qkv`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
+    assert {"params.`lr`", "params.`layer_decay`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(
+        facts["columns"])
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):
@@ -184,3 +146,44 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.screenshot(screenshots / "sweep_compare.png")
     text = browser.facts()["text"]
     assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
+
+
+def test_the_sweeps_chart_view_draws_a_parallel_coordinates_line_per_trial(server, store, runs, browser, screenshots):
+    _, _, _, trials = runs
+    browser.open(_printed(store, "sweep", server))
+    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.click(CHART_VIEW)  # then nothing else: the saved view holds the charts
+    browser.wait_for_text("val_top1 across the knobs", "Parallel Coordinates", "val_top1 against each knob",
+                          "qkv vs. val_top1", "per epoch", "train_loss", "system/node0")
+    drawn = wait_for(lambda: browser.script(PARALLEL_COORDINATES_JS), 60, "the parallel-coordinates chart")
+    browser.screenshot(screenshots / "sweep_charts.png")
+    assert drawn["axes"] == ["qkv", "val_top1"]
+    # the trials differ in qkv and in val_top1: one line each leaves the knob's axis and reaches the metric's
+    assert drawn["leaving_first_axis"] == drawn["reaching_last_axis"] == len(trials) == 2
+    text = browser.facts()["text"]
+    assert text.index("per epoch") < text.index("Model metrics") < text.index("system/node0")
+
+
+def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, runs, browser, screenshots):
+    _, _, sweep, _ = runs
+    browser.open(_printed(store, "summary", server))
+    browser.wait_for_text("qkv-sweep", "summary.html")
+    page = wait_for(lambda: browser.in_frame("iframe.mlflow-html-iframe", SUMMARY_PAGE_JS), 60, "summary.html drawn")
+    browser.screenshot(screenshots / "sweep_summary.png")
+    assert "Sweep qkv-sweep (finished)" in page["text"] and sweep.data.tags["best_trial_id"] in page["text"]
+    assert "knob importance for val_top1: only qkv varies: nothing to rank it against" in page["text"]
+    assert page["images"] and all(width > 0 for width in page["images"])  # the plots, embedded and decoded
+
+
+SUMMARY_PAGE_JS = """
+if (!document.body || !document.body.innerText.includes('Which knob mattered')) return null;
+return {text: document.body.innerText, images: [...document.images].map(image => image.naturalWidth)};
+"""
+
+
+def test_the_demo_run_is_named_automatically_and_learns_the_digits(store, runs):
+    storage, _, name = store
+    _, demo, _, _ = runs
+    assert demo.info.run_name == name and (storage / name / "vitsweep.log").is_file()
+    assert demo.data.params["model.name"] == "xcit_nano_12_p8" and demo.data.params["optim.lr"] == "0.001"
+    assert demo.data.metrics["val_top1"] >= DEMO_FLOOR

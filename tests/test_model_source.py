@@ -6,6 +6,7 @@ The sources are written by training's own code paths: a one-process DeepSpeed en
 real sqlite MLflow store, then registered with MLflow's registry. The model is F-SNE XCiT, whose
 blocks share their code tensors, so every source must give back the shared names too.
 """
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
+from pipeline.modeling import build_model
 from pipeline.tracking import MlflowRun, MlflowStore
 
 CLASSES = tuple(f"digit {i}" for i in range(10))
@@ -49,13 +51,14 @@ def _engine(overrides: list[str]):
     import deepspeed
 
     from pipeline.engine import deepspeed_config
+    from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["scaling.num_workers=1", "model.args.qkv=fsne", "model.args.code_size=8", *overrides])
     torch.manual_seed(0)
     model = build_model(cfg.model, num_classes=len(CLASSES))
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
                                            lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
                                            dist_init_required=False)
@@ -333,3 +336,58 @@ def test_an_mlflow_model_logged_without_vitsweeps_weights_files_is_named(trained
                                  pip_requirements=["torch"])
     with pytest.raises(InvalidInputError, match=f"MLflow model m-.* was not logged by vitsweep with its weights"):
         resolve(trained, f"runs:/{run_id}/model")
+
+
+# -- every form starts a run (model.init_from) ------------------------------------------------------------
+
+
+SOURCE_FORMS = {  # the form as given (built from the trained run), and the weights it must give
+    "run_name": (lambda t: "tiny", "final"),
+    "run_dir": (lambda t: str(t.run_dir), "final"),
+    "checkpoint_dir": (lambda t: str(t.first), "first"),
+    "safetensors": (lambda t: str(t.final / WEIGHTS_FILE), "final"),
+    "state_dict": (lambda t: str(t.final / "timm_style.pth"), "final"),
+    "mlflow_run": (lambda t: f"runs:/{t.run_id}/model", "final"),
+    "registered_version": (lambda t: f"models:/{REGISTERED}/1", "final"),
+    "registered_alias": (lambda t: f"models:/{REGISTERED}@champion", "final"),
+}
+
+
+@pytest.mark.parametrize("form", SOURCE_FORMS)
+def test_every_source_form_starts_a_model_with_a_new_head_from_its_weights(trained, form):
+    from pipeline.transfer import load_initial_weights, resolve_initial_weights
+
+    given, expected = SOURCE_FORMS[form]
+    if form == "state_dict":
+        torch.save({"state_dict": trained.weights["final"]}, trained.final / "timm_style.pth")
+    model = trained.card.model.model_copy(update={"init_from": given(trained)})
+    init = resolve_initial_weights(model, 4, str(trained.storage / "finetune"), str(trained.storage), trained.uri)
+    assert init.plan.reset.keys() == {"head.weight", "head.bias"} and not init.plan.resampled
+    target = build_model(model, 4)
+    load_initial_weights(target, init.source.weights, init.plan)
+    weights = trained.weights[expected]
+    assert all(torch.equal(target.state_dict()[name], weights[name]) for name in init.plan.loaded)
+    assert SHARED_CODE in init.plan.loaded and target.head.weight.shape == (4, 128)
+    assert init.plan.provenance.given == given(trained) and not (trained.storage / "finetune").exists()
+
+
+def test_a_run_records_where_its_weights_came_from_with_the_source_model_as_its_input(trained):
+    from pipeline.runs import record_initial_weights
+    from pipeline.transfer import PLAN_ARTIFACT, resolve_initial_weights
+
+    model = trained.card.model.model_copy(update={"init_from": f"models:/{REGISTERED}@champion"})
+    init = resolve_initial_weights(model, 4, str(trained.storage / "finetune"), str(trained.storage), trained.uri)
+    tracking = MlflowStore(trained.uri).create_run("vitsweep", "finetune")
+    record_initial_weights(tracking, init)
+    record_initial_weights(tracking, init)  # a restart records nothing twice
+    run = tracking.get()
+    tags = run.data.tags
+    assert (tags["init.source"], tags["init.kind"], tags["init.run_id"], tags["init.model_id"]) == (
+        f"models:/{REGISTERED}@champion", "registered_model", trained.run_id, trained.model_id)
+    assert tags["init.registered_model"] == f"{REGISTERED}/1@champion" and tags["init.reset"] == "head.bias, head.weight"
+    assert tags["init.summary"].startswith(f"models:/{REGISTERED}@champion (run {trained.run_id}, model {REGISTERED} "
+                                           "version 1): ")
+    assert [model.model_id for model in run.inputs.model_inputs] == [trained.model_id]
+    recorded = json.loads(tracking.read_artifact(PLAN_ARTIFACT))
+    assert recorded["reset"] == {"head.bias": "classifier, 10 -> 4 classes", "head.weight": "classifier, 10 -> 4 classes"}
+    assert set(recorded["loaded"]) == set(init.plan.loaded) and recorded["source"]["model_id"] == trained.model_id

@@ -3,6 +3,8 @@ the paper's numbers, counted as the paper counts them."""
 import contextlib
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 import timm
@@ -19,6 +21,15 @@ def test_the_zoo_registers_every_papers_family():
     assert {"xcit", "vit", "eit", "sot"} <= families
     papers = {facts.paper for facts in models.VARIANTS.values()}
     assert {"001", "002", "003", "004"} <= papers
+
+
+def test_the_readme_cites_every_paper_a_variant_names_by_title_and_public_link():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in readme.splitlines() if re.match(r"\| 00\d \|", line)}
+    for paper in {facts.paper for facts in models.VARIANTS.values()} | {"000"}:  # 000: the QKV embeddings
+        assert re.search(r"\w+\. \*[^*]+\*.* (19|20)\d\d\. \[arXiv:\d{4}\.\d{5}\]\(https://arxiv\.org/abs/\d{4}\.\d{5}\)",
+                         rows[paper]), rows.get(paper)
+    assert "../shared" not in readme  # papers outside the repository: a clone does not have them
 
 
 @pytest.mark.parametrize("name", ALL_VARIANTS)

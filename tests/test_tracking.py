@@ -49,3 +49,13 @@ def test_a_malformed_mlflow_tracking_uri_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://[::1:5000")
     with pytest.raises(InvalidInputError, match="MLFLOW_TRACKING_URI is not a valid URI"):
         resolve_tracking_uri(load_config("default"))
+
+
+def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_first_interval(tmp_path):
+    # A run shorter than one sampling interval (a 1-epoch sweep trial) still has each node's metrics.
+    run = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "shorter-than-an-interval")
+    monitor = run.monitor_system("node0", interval_s=3600)
+    monitor.finish()
+    history = run.metric_history("system/node0/cpu_utilization_percentage")
+    assert len(history) == 1 and 0 <= history[0].value <= 100
+    assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0

@@ -1,5 +1,6 @@
 """`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
 import re
+from pathlib import Path
 
 import mlflow
 import mlflow.pytorch
@@ -7,14 +8,15 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import run_vitsweep, train_command
+from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
 from pipeline.config import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.model_source import resolve_model_source
+from pipeline.tracking import MlflowRun
 
 pytestmark = pytest.mark.slow
 
-METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
+METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "tflops_per_sec", "epoch_time_s"}
 ARTIFACTS = {"config.yaml", "deepspeed.json", "model_summary.txt", "model.safetensors"}
 
 
@@ -27,20 +29,30 @@ def _only_run(storage):
 
 
 # The ZeRO-2 run also keeps an EMA of the weights and, like the demo's first run, writes its offline
-# dataset itself before training (one training run less in CI).
-@pytest.fixture(scope="module", params=[("1", "bf16", "null", False), ("2", "fp32", "0.9", True)],
+# dataset itself before training (one training run less in CI). It gives its rate per 512 images, DeiT's
+# way: 1.6e-2 x a global batch of 64 (2 workers x 32) / 512 = the 2e-3 the other run gives absolutely.
+EFFECTIVE_LR, GLOBAL_BATCH = 2e-3, 64
+
+
+@pytest.fixture(scope="module", params=[("1", "bf16", "null", False, "optim.lr", 2e-3),
+                                        ("2", "fp32", "0.9", True, "optim.lr_per_512", 1.6e-2)],
                 ids=["zero1-bf16", "zero2-fp32-ema"])
 def two_epoch_run(request, tmp_path_factory, digits16):
-    stage, precision, ema_decay, writes_dataset = request.param
+    stage, precision, ema_decay, writes_dataset, rate_key, rate = request.param
     storage = tmp_path_factory.mktemp(f"zero{stage}-{precision}")
     data = {"train": storage / "data" / "train.beton", "val": storage / "data" / "val.beton"} if writes_dataset else digits16
     result = run_vitsweep(train_command(
-        storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=2e-3",
+        storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{rate_key}={rate}",
         f"deepspeed.zero_stage={stage}", f"deepspeed.precision={precision}", f"optim.ema_decay={ema_decay}",
         *(["data.prepare=digits"] if writes_dataset else []),
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
+
+
+def _rate_given(request) -> tuple[str, float]:
+    """The rate knob this run was given (optim.lr or optim.lr_per_512) and its value."""
+    return request.node.callspec.params["two_epoch_run"][4:]
 
 
 def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
@@ -77,13 +89,29 @@ def test_a_finished_run_asked_for_again_is_not_retrained(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1
 
 
-def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run):
+def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run, request):
     storage, first = two_epoch_run
-    result = run_vitsweep([*first.args, "--set", "optim.lr=3e-3"], timeout=300)
+    key, rate = _rate_given(request)
+    result = run_vitsweep([*first.args, "--set", f"{key}={rate * 2}"], timeout=300)
     assert result.returncode == 2
-    assert "was trained with another config: optim.lr: 0.002 -> 0.003" in result.stderr
+    assert f"was trained with another config: {key}: {rate} -> {rate * 2}" in result.stderr
     _, run = _only_run(storage)
-    assert run.data.params["optim.lr"] == "0.002" and run.info.status == "FINISHED"
+    assert run.data.params[key] == str(rate) and run.info.status == "FINISHED"
+
+
+def test_the_run_records_the_rate_it_trained_at_beside_the_knob_given_and_prints_it(two_epoch_run, request):
+    storage, result = two_epoch_run
+    key, rate = _rate_given(request)
+    client, run = _only_run(storage)
+    params = run.data.params
+    assert params[key] == str(rate) and params["optim.lr_scaling"] == "linear"
+    assert float(params["optim.lr_effective"]) == pytest.approx(EFFECTIVE_LR)
+    assert params["optim.global_batch_size"] == str(GLOBAL_BATCH)
+    assert f"lr {EFFECTIVE_LR:.3g}" in run.data.tags["mlflow.note.content"]
+    assert f"  global batch {GLOBAL_BATCH} = 32 per worker x 1 accumulation step x 2 workers; lr 0.002" in result.stdout
+    # The schedule peaks at that rate: no warmup (smoke), so after epoch 1 of 2 the cosine is halfway to min_lr.
+    (epoch_1,) = [m.value for m in client.get_metric_history(run.info.run_id, "lr") if m.step == 1]
+    assert epoch_1 == pytest.approx((EFFECTIVE_LR + float(params["optim.schedule.min_lr"])) / 2, rel=1e-3)
 
 
 def test_the_mlflow_run_reads_well_in_the_ui(two_epoch_run):
@@ -92,9 +120,14 @@ def test_the_mlflow_run_reads_well_in_the_ui(two_epoch_run):
     assert "xcit_nano_12_p8" in tags["mlflow.note.content"] and tags["mlflow.user"]
     assert tags["mlflow.source.name"].startswith("vitsweep train --config smoke")
     assert [m.value for m in client.get_metric_history(run.info.run_id, "epochs_trained")] == [1, 2]
-    contexts = {i.dataset.name: dict((t.key, t.value) for t in i.tags) for i in run.inputs.dataset_inputs}
-    assert sorted(c["mlflow.data.context"] for c in contexts.values()) == ["training", "validation"]
-    assert all(len(c["sha256"]) == 64 for c in contexts.values())
+    inputs = {dict((t.key, t.value) for t in i.tags)["mlflow.data.context"]: i for i in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["training", "validation"]
+    for context, split in (("training", "data.train"), ("validation", "data.val")):  # each with its own file's hash
+        sha256 = read_sidecar(Path(run.data.params[split])).sha256
+        assert dict((t.key, t.value) for t in inputs[context].tags)["sha256"] == sha256, context
+        assert inputs[context].dataset.digest == sha256[:32], context
+        assert str(Path(run.data.params[split])) in inputs[context].dataset.source, context
+    assert inputs["training"].dataset.digest != inputs["validation"].dataset.digest
     assert any(key.startswith("system/node0/cpu_utilization") for key in run.data.metrics)
 
 
@@ -152,13 +185,27 @@ def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
 
 
-def test_logged_model_loads_with_mlflow_and_predicts(two_epoch_run, monkeypatch):
+def test_the_logged_model_is_the_trained_one_it_scores_the_runs_final_val_top1(two_epoch_run, monkeypatch, tmp_path):
     storage, _ = two_epoch_run
     _, run = _only_run(storage)
     # Not mlflow.set_tracking_uri: it would export the URI to every later test's subprocesses.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{storage}/mlflow.db")
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     assert model(torch.zeros(3, 3, 16, 16)).shape == (3, 10)
+    (tmp_path / "config.yaml").write_text(MlflowRun(f"sqlite:///{storage}/mlflow.db", run.info.run_id).read_artifact("config.yaml"))
+    cfg = load_config(str(tmp_path / "config.yaml"))
+    assert_scores_the_runs_metrics(model, cfg, Path(cfg.data.val), run.data.metrics)
+
+
+def test_each_epoch_logs_its_achieved_training_tflops(two_epoch_run):
+    # 6 x the model's GMACs per image x images/s; MFU needs a GPU's peak, so a CPU run logs none.
+    client, run = _only_run(two_epoch_run[0])
+    gmacs = float(run.data.params["model_facts.gflops"])
+    images_per_sec = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "images_per_sec")}
+    tflops = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "tflops_per_sec")}
+    assert tflops == pytest.approx({step: 6 * gmacs * ips / 1e3 for step, ips in images_per_sec.items()})
+    assert sorted(tflops) == [1, 2] and all(value > 0 for value in tflops.values())
+    assert "mfu" not in run.data.metrics
 
 
 def test_resuming_with_another_model_is_rejected_before_training(two_epoch_run, digits16):

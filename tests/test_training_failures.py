@@ -2,6 +2,7 @@
 recorded FAILED."""
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ def test_missing_dataset_exits_2_naming_the_path(tmp_path, digits16):
     result = run_vitsweep(train_command(tmp_path / "runs", data), timeout=120)
     assert result.returncode == 2 and "nowhere.beton" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_storage_path_that_cannot_be_created_exits_2_naming_it_before_ray_starts(tmp_path, digits16):
+    result = run_vitsweep(train_command(Path("/proc/vitsweep-test/runs"), digits16), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "run.storage_path: '/proc/vitsweep-test/runs' cannot be created" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_bad_input_stops_the_local_ray_that_started_alongside_the_checks(tmp_path, digits16):
@@ -106,3 +114,35 @@ def test_checkpoint_loading_accepts_deepspeed_zero_optimizer_state(tmp_path):
     torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients, "w": torch.ones(2)}, path)
     loaded = weights_only_checkpoint_engine().load(str(path))
     assert loaded["zero_stage"] == ZeroStageEnum.gradients and torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_a_lost_worker_is_the_failure_reason_not_the_broken_connection_it_left_on_the_other_rank():
+    """Ray Train's own error types, shaped as it hands them over when rank 1's process is killed (the
+    end-to-end case: test_fault_injection.py::test_a_killed_worker_without_retries_...)."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+
+    from pipeline.runs import failure_reason
+
+    where = ActorMetadata(hostname="node-b", node_id="ab" * 28, node_ip="10.0.0.7", pid=4242, accelerator_ids={})
+    died = ActorDiedError(ActorDiedErrorContext(
+        error_message="The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
+                      "exit detail: Worker unexpectedly exits with a connection error code 2. End of file.",
+        actor_id=bytes(16), class_name="RayTrainWorker", pid=4242, node_ip_address="10.0.0.7"))
+    lost = WorkerHealthCheckFailedError(f"A worker health check failed.\nWorker info: {where!r}", failure=died)
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.7]:41234")
+    assert failure_reason(WorkerGroupError("two ranks failed", {0: gloo, 1: lost})) == (
+        "worker rank 1 (pid 4242 on 10.0.0.7) died: its worker process has died "
+        "(SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2)")
+
+
+def test_a_failed_runs_stop_reason_is_the_last_line_of_the_workers_error():
+    from pipeline.runs import error_line
+
+    wrapped = RuntimeError("Training failed due to worker errors:\n[Rank 1]\nTraceback (most recent call last):\n"
+                           '  File "worker.py", line 3, in fit\nOSError: [Errno 28] No space left on device\n\n')
+    assert error_line(wrapped) == "OSError: [Errno 28] No space left on device"
+    assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"  # no message: its type names it

@@ -1,14 +1,15 @@
 """`vitsweep tune` / `compare` without Ray: bad input exits 2 before anything runs; the results table."""
+import itertools
 import json
+import re
+from pathlib import Path
 
 import pytest
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import load_config
-from pipeline.sweeps.report import pareto_front
-from pipeline.sweeps.runner import RECORD_NAME, TrialResources, concurrent_trials
+from pipeline.sweeps.runner import RECORD_NAME
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
 from pipeline.tracking import MlflowStore
 
@@ -45,6 +46,23 @@ def test_bad_space_exits_2_naming_the_problem_and_writes_nothing(tmp_path, capsy
 def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
     assert main(_tune(tmp_path, None, space="fsne_code_sise")) == EXIT_INVALID_INPUT
     assert "did you mean 'fsne_code_size'" in capsys.readouterr().err
+
+
+def test_the_learning_rate_space_sweeps_the_per_batch_rate_over_a_config_with_an_absolute_one(tmp_path, digits16):
+    from pipeline.sweeps.runner import prepare_sweep
+
+    # The default preset gives lr 1e-3 absolutely; lr_wd's fixed optim.lr: null leaves the rate to its knob.
+    sweep = prepare_sweep("default", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                      f"data.val={digits16['val']}", "data.prepare=null"], ["lr_wd"])
+    assert len(sweep.plan.variants) == 9 and not sweep.plan.pruned
+    assert {variant["optim.lr_per_512"] for variant in sweep.plan.variants} == {2.5e-4, 5e-4, 1e-3}
+    assert sweep.base_tree["optim"]["lr"] is None
+
+
+def test_an_absolute_rate_set_over_the_learning_rate_space_exits_2_naming_both(tmp_path, capsys):
+    assert main(_tune(tmp_path, None, "optim.lr=1e-3", space="lr_wd")) == EXIT_INVALID_INPUT
+    assert "optim.lr=0.001 and optim.lr_per_512=" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_asha_grace_period_must_leave_epochs_to_stop(tmp_path, capsys):
@@ -94,45 +112,8 @@ def test_resume_of_a_directory_without_a_sweep_exits_2(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Resources
-# --------------------------------------------------------------------------------------------------
-
-def test_two_cores_run_one_trial_of_one_worker_at_a_time():
-    cfg = load_config("smoke", ["scaling.num_workers=1"])
-    assert concurrent_trials(cfg, {"CPU": 2.0}) == 1
-
-
-def test_a_full_node_runs_as_many_trials_as_fit():
-    cfg = load_config("smoke", ["scaling.num_workers=2"])
-    assert concurrent_trials(cfg, {"CPU": 16.0}) == 5  # 3 CPUs each: trial function + 2 workers
-
-
-def test_gpus_bound_concurrency_on_a_gpu_cluster():
-    cfg = load_config("smoke", ["scaling.num_workers=2", "scaling.use_gpu=true", "scaling.gpus_per_worker=1",
-                                "tune.trial_cpus=0.5"])
-    assert concurrent_trials(cfg, {"CPU": 64.0, "GPU": 8.0}) == 4
-
-
-def test_a_trial_that_cannot_fit_the_cluster_is_an_error():
-    cfg = load_config("smoke", ["scaling.num_workers=4"])
-    with pytest.raises(ValueError, match="one trial needs 5 CPUs"):
-        concurrent_trials(cfg, {"CPU": 4.0})
-
-
-def test_one_trials_resources_read_in_the_singular_where_there_is_one():
-    cfg = load_config("smoke", ["scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "tune.trial_cpus=0.5"])
-    assert TrialResources.of(cfg).describe(cfg) == "1 CPU = trial function 0.5 CPU + 1 worker x (0.5 CPU)"
-
-
-# --------------------------------------------------------------------------------------------------
 # Results table
 # --------------------------------------------------------------------------------------------------
-
-def test_pareto_front_keeps_trials_no_cheaper_trial_beats():
-    points = [(1.0, 50.0), (2.0, 40.0), (2.0, 70.0), (3.0, 60.0), (4.0, 80.0)]
-    assert pareto_front(points, "max") == [(1.0, 50.0), (2.0, 70.0), (4.0, 80.0)]
-    assert pareto_front([(1.0, 0.5), (2.0, 0.7), (3.0, 0.2)], "min") == [(1.0, 0.5), (3.0, 0.2)]
-
 
 def _fake_sweep(storage) -> MlflowClient:
     """A finished sweep as `vitsweep tune` records it: a parent and three children."""
@@ -172,6 +153,30 @@ def test_compare_csv_has_one_row_per_trial_and_pruned_sample(tmp_path, capsys):
     assert lines[0].startswith("trial,state,lr,epochs,val_top1") and len(lines) == 1 + 4
 
 
+def test_compare_prints_which_knob_mattered_under_the_table(tmp_path, capsys):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = MlflowStore(client.tracking_uri).experiment_id("vitsweep")
+    parent = client.create_run(experiment, run_name="grid", tags={ROLE_TAG: "sweep"}).info.run_id
+    client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
+                                     Param("tune.searcher", "grid")])
+    space = "params:\n  model.args.code_size: {values: [8, 16, 32]}\n  optim.lr: {values: [1.0e-3, 2.0e-3, 3.0e-3]}\n"
+    client.log_text(parent, json.dumps({"spaces": [["grid", "grid.yaml", space]], "pruned": []}), RECORD_NAME)
+    for i, (code_size, lr) in enumerate(itertools.product([8, 16, 32], [1e-3, 2e-3, 3e-3])):
+        run = client.create_run(experiment, run_name=f"t{i}", tags={
+            PARENT_TAG: parent, TRIAL_TAG: f"t{i}", STOP_REASON_TAG: "completed",
+            KNOBS_TAG: json.dumps({"model.args.code_size": code_size, "optim.lr": lr})})
+        client.log_metric(run.info.run_id, "val_top1", 50.0 + code_size + 100 * lr, step=3)  # code size drives it
+    assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    out = capsys.readouterr().out
+    table, importances = out.split("\n\nknob importance for val_top1 (fANOVA over 9 configurations; shares sum to 1):\n")
+    assert len(table.splitlines()) == 1 + 2 + 9
+    assert [line.split()[0] for line in importances.splitlines()] == ["code_size", "lr"]
+    # the README shows this sweep's importances as `vitsweep compare` prints them
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    shown = re.search(r"```\n(knob importance for val_top1 \(fANOVA over 9 [^`]*)```", readme).group(1)
+    assert out.endswith(shown)
+
+
 def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_path, capsys):
     _fake_sweep(tmp_path)
     assert main(["compare", "vitsweeep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_INVALID_INPUT
@@ -179,36 +184,14 @@ def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_pat
 
 
 def test_sweep_record_round_trips_on_a_local_path_and_a_uri(tmp_path):
-    from pipeline.sweeps.runner import read_text, write_text
+    from pipeline.uris import read_bytes, write_bytes
 
-    write_text(str(tmp_path / "a" / "record.json"), "local")
-    write_text(f"file://{tmp_path}/b/record.json", "uri")
-    assert read_text(str(tmp_path / "a" / "record.json")) == "local"
-    assert read_text(f"file://{tmp_path}/b/record.json") == "uri"
-    assert read_text(f"file://{tmp_path}/missing.json") is None
-
-
-def test_plots_cover_each_knob_and_the_cost_pareto_front(tmp_path):
-    from pipeline.sweeps.report import TrialRow, plot_sweep
-
-    knobs = [{"model.args.channel_schedule": "linear", "model.args.mha_ratio_range.0": 0.25},
-             {"model.args.channel_schedule": "decreasing"}, {"model.args.channel_schedule": "increasing"}]
-    rows = [TrialRow(f"t{i}", f"r{i}", state, "", knobs[i], 3, {"val_top1": top1}, params, 0.01 * params)
-            for i, (state, top1, params) in enumerate([("completed", 70.0, 1.0), ("completed", 80.0, 2.0),
-                                                       ("early_stopped", 20.0, 1.5)])]
-    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
-    # mha_ratio_range.0 applies to one trial only: one point plots nothing
-    assert sorted(p.name for p in written) == ["val_top1_vs_channel_schedule.png", "val_top1_vs_params_and_gflops.png"]
-    assert all(p.stat().st_size > 1000 for p in written)
-
-
-def test_no_plot_is_drawn_for_a_knob_or_a_size_that_does_not_vary(tmp_path):
-    from pipeline.sweeps.report import TrialRow, plot_sweep
-
-    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"optim.lr": lr, "model.args.depth": 2}, 3,
-                     {"val_top1": top1}, 0.9, 0.003) for i, (lr, top1) in enumerate([(1e-3, 70.0), (2e-3, 80.0)])]
-    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys=set())
-    assert [p.name for p in written] == ["val_top1_vs_lr.png"]
+    write_bytes(str(tmp_path / "a" / "record.json"), b"local")
+    write_bytes(f"file://{tmp_path}/b/record.json", b"uri")
+    assert read_bytes(str(tmp_path / "a" / "record.json")) == b"local"
+    assert read_bytes(f"file://{tmp_path}/b/record.json") == b"uri"
+    assert read_bytes(f"file://{tmp_path}/missing.json") is None
+    assert read_bytes(str(tmp_path / "a" / "record.json"), 3, offset=1) == read_bytes(f"file://{tmp_path}/a/record.json", 3, 1) == b"oca"
 
 
 def test_seeds_are_summarised_per_configuration_as_mean_spread_and_n(tmp_path):

@@ -12,9 +12,11 @@ import time
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_model
 
-from conftest import VITSWEEP, run_vitsweep, tune_command, vitsweep_env
+from conftest import VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command, vitsweep_env
 from pipeline.config import load_config
+from pipeline.modeling import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,8 @@ def _runs(storage):
 
 
 def _lr(run) -> float:
-    return json.loads(run.data.tags["knobs"])["optim.lr"]
+    """The rate the trial trained at, as MLflow records it beside the knob it was given."""
+    return float(run.data.params["optim.lr_effective"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -42,8 +45,10 @@ def _lr(run) -> float:
 def asha_sweep(tmp_path_factory, digits16):
     storage = tmp_path_factory.mktemp("asha")
     space = storage / "lr.yaml"
-    # The last trial's learning rate is far too small: at the first rung it is below the others' median.
-    space.write_text("params:\n  optim.lr: {values: [2.0e-3, 1.5e-3, 1.0e-3, 1.0e-7]}\n")
+    # The rate per 512 images (DeiT's convention), which each trial scales to its global batch of 1 worker x 32:
+    # 2e-3, 1.5e-3, 1e-3, and a far too small 1e-7, below the others' median at the first rung.
+    space.write_text("fixed:\n  optim.lr: null\n"
+                     "params:\n  optim.lr_per_512: {values: [3.2e-2, 2.4e-2, 1.6e-2, 1.6e-6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
                                        "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"),
                           timeout=1500)
@@ -55,6 +60,7 @@ def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
     storage, result = asha_sweep
     _, _, children = _runs(storage)
     assert "sweep asha (finished)" in result.stdout
+    assert "knob importance for val_top1: only lr_per_512 varies: nothing to rank it against" in result.stdout
     assert all(trial_id in result.stdout for trial_id in children)
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout
 
@@ -68,26 +74,39 @@ def test_the_sweeps_console_is_its_own_table_without_library_noise(asha_sweep):
     storage, result = asha_sweep
     console = result.stdout + result.stderr
     assert not [noise for noise in SWEEP_NOISE if noise in console], console[-4000:]
-    assert re.search(r"^trial \w+ \(lr=0\.002\): epoch 1/3  val_top1 [\d.]+$", result.stdout, re.M)
-    assert re.search(r"^trial \w+ \(lr=1e-07\): stopped early after epoch 1$", result.stdout, re.M)
+    assert re.search(r"^trial \w+ \(lr_per_512=0\.032\): epoch 1/3  val_top1 [\d.]+$", result.stdout, re.M)
+    assert re.search(r"^trial \w+ \(lr_per_512=1\.6e-06\): stopped early after epoch 1$", result.stdout, re.M)
     assert "TrainController" in (storage / "asha" / "vitsweep.log").read_text()
 
 
 def test_each_trial_carries_its_knobs_as_short_params_and_the_sweep_a_saved_view(asha_sweep):
     client, (parent,), children = _runs(asha_sweep[0])
-    assert all(run.data.params["lr"] == run.data.params["optim.lr"] for run in children.values())
+    assert all(run.data.params["lr_per_512"] == run.data.params["optim.lr_per_512"] for run in children.values())
     experiment = client.get_experiment(parent.info.experiment_id)
     view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.vitsweep-asha"])["state"])
-    assert view["selectedColumns"][:2] == ["params.`lr`", "metrics.`val_top1`"]
+    assert view["selectedColumns"][:3] == ["params.`lr_per_512`", "params.`optim.lr_effective`", "metrics.`val_top1`"]
     assert parent.info.run_id in view["searchFilter"]
-    assert "lr" in parent.data.tags["mlflow.note.content"]
+    assert "lr_per_512" in parent.data.tags["mlflow.note.content"]
+
+
+def test_a_sweep_over_the_per_batch_rate_records_it_and_the_rate_each_trial_trained_at(asha_sweep):
+    storage, result = asha_sweep
+    _, _, children = _runs(storage)
+    for run in children.values():
+        knob = json.loads(run.data.tags["knobs"])["optim.lr_per_512"]
+        assert run.data.params["optim.lr_per_512"] == str(knob) and run.data.params["optim.lr"] == "None"
+        assert run.data.params["optim.global_batch_size"] == "32"  # 1 worker x 32 x 1
+        assert _lr(run) == pytest.approx(knob * 32 / 512)
+    # The sweep's final table (and `vitsweep compare`, the same table) shows both, per trial.
+    assert re.search(r"^trial +state +lr_per_512 +lr_effective +epochs ", result.stdout, re.M)
+    assert re.search(r"^\w+ +\w+ +0\.032 +0\.002 ", result.stdout, re.M)  # the 3.2e-2 trial trained at 2e-3
 
 
 def test_mlflow_holds_one_parent_run_and_a_nested_child_per_trial(asha_sweep):
     _, parents, children = _runs(asha_sweep[0])
     assert len(parents) == 1 and len(children) == 4
     assert {r.data.tags["mlflow.parentRunId"] for r in children.values()} == {parents[0].info.run_id}
-    assert sorted(_lr(r) for r in children.values()) == [1e-7, 1e-3, 1.5e-3, 2e-3]
+    assert sorted(_lr(r) for r in children.values()) == [1e-7, 1e-3, 1.5e-3, 2e-3]  # as MLflow records them
 
 
 def test_asha_stops_the_clearly_worse_trial_early_and_records_it_as_such(asha_sweep):
@@ -103,7 +122,7 @@ def test_each_child_carries_a_training_runs_record_and_its_trial_id(asha_sweep):
     expected = set(load_config("smoke").flat()) | {"model_facts.params", "model_facts.gflops"}
     for trial_id, run in children.items():
         assert expected <= set(run.data.params), trial_id
-        assert run.data.params["run.name"] == trial_id and run.data.params["optim.lr"] == str(_lr(run))
+        assert run.data.params["run.name"] == trial_id
         assert EPOCH_METRICS <= set(run.data.metrics), trial_id
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")]
         assert steps == list(range(1, len(steps) + 1)) and steps, trial_id  # epochs count from 1
@@ -126,7 +145,7 @@ def test_parent_records_space_searcher_scheduler_and_best_trial(asha_sweep):
     _, (parent,), children = _runs(asha_sweep[0])
     params, tags = parent.data.params, parent.data.tags
     assert parent.info.status == "FINISHED"
-    assert params["tune.searcher"] == "grid" and params["tune.scheduler"] == "asha" and params["searched_keys"] == "optim.lr"
+    assert params["tune.searcher"] == "grid" and params["tune.scheduler"] == "asha" and params["searched_keys"] == "optim.lr_per_512"
     completed = [r for r in children.values() if r.data.tags["stop_reason"] == "completed"]
     best = max(completed, key=lambda r: r.data.metrics["val_top1"])
     assert tags["best_trial_id"] == best.data.tags["trial_id"] and tags["best_run_id"] == best.info.run_id
@@ -138,9 +157,10 @@ def test_parent_holds_the_results_table_and_plots(asha_sweep):
     storage = asha_sweep[0]
     client, (parent,), children = _runs(storage)
     run_id = parent.info.run_id
-    assert {"results.csv", "space.yaml", "base_config.yaml"} <= {a.path for a in client.list_artifacts(run_id)}
-    # every trial has the same size: the lr plot, and no cost plot
-    assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/val_top1_vs_lr.png"}
+    assert {"results.csv", "space.yaml", "base_config.yaml", "summary.html"} <= {
+        a.path for a in client.list_artifacts(run_id)}
+    # every trial has the same size: the rate plot, and no cost plot
+    assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/val_top1_vs_lr_per_512.png"}
     rows = list(csv.DictReader(io.StringIO(_download(client, run_id, "results.csv", storage))))
     assert {row["trial"] for row in rows} == set(children)
     assert {row["state"] for row in rows} <= {"completed", "early_stopped"}
@@ -264,13 +284,14 @@ def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(resumed_sweep):
 
 @pytest.fixture(scope="module")
 def tpe_sweep(tmp_path_factory, digits16):
+    """Three TPE samples of one epoch each, trained under ZeRO-0 (plain data parallelism)."""
     storage = tmp_path_factory.mktemp("tpe")
     space = storage / "heads.yaml"
     # 6 heads do not divide 128 channels: that one combination of four is invalid.
     space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
                                        "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
-                                       "tune.scheduler=fifo"), timeout=1200)
+                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0"), timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return storage
 
@@ -287,3 +308,15 @@ def test_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(tpe_swe
         knobs = json.loads(run.data.tags["knobs"])
         assert knobs != {"model.args.embed_dim": 128, "model.args.num_heads": 6}
         assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
+
+
+def test_zero0_trials_final_weights_score_their_val_top1(tpe_sweep, digits16):
+    client, _, children = _runs(tpe_sweep)
+    for trial_id, run in children.items():
+        directory = tpe_sweep / f"weights-{trial_id}"
+        directory.mkdir()
+        cfg = load_config(client.download_artifacts(run.info.run_id, "config.yaml", str(directory)))
+        assert cfg.deepspeed.zero_stage == 0
+        model = build_model(cfg.model, num_classes=10)
+        load_model(model, client.download_artifacts(run.info.run_id, "model.safetensors", str(directory)))
+        assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)

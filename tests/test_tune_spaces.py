@@ -9,7 +9,7 @@ from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_
                                     load_spaces, parse_space)
 
 SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd",
-           "eit_vs_vit_digits"]
+           "eit_vs_vit_digits", "finetune_lr_layer_decay"]
 
 
 def _base(space, preset="smoke"):
@@ -95,7 +95,18 @@ def test_indexed_keys_assemble_a_list_argument():
 def test_learning_rate_space_combines_with_a_study():
     plan = _grid(load_spaces(["fsne_code_size", "lr_wd"]))
     assert len(plan.variants) == 8 * 9
-    assert {"optim.lr", "optim.weight_decay", "model.args.code_size"} <= set(plan.variants[0])
+    assert {"optim.lr_per_512", "optim.weight_decay", "model.args.code_size"} <= set(plan.variants[0])
+
+
+@pytest.mark.parametrize("preset", ["default", "smoke"])  # the default preset gives an absolute rate
+def test_the_learning_rate_space_sweeps_the_per_batch_rate_so_each_trial_follows_its_batch(preset):
+    from pipeline.lr_scaling import effective_lr
+
+    space = load_spaces(["lr_wd"])
+    cfg, knobs = resolve_trial(space, _base(space, preset), {"optim.lr_per_512": 1e-3, "optim.weight_decay": 0.05})
+    assert cfg.optim.lr is None and knobs["optim.lr_per_512"] == 1e-3
+    batch = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * cfg.scaling.num_workers
+    assert effective_lr(cfg.optim, cfg.scaling.num_workers) == pytest.approx(1e-3 * batch / 512)
 
 
 def test_scientific_notation_in_a_space_is_a_number():
@@ -170,15 +181,15 @@ def test_a_condition_must_refer_to_an_earlier_knob():
 
 
 def test_combined_spaces_may_not_search_the_same_key():
-    with pytest.raises(SpaceError, match="optim.lr is set by both"):
-        combine([load_space("lr_wd"), _space("params:\n  optim.lr: {values: [1.0e-3]}\n")])
+    with pytest.raises(SpaceError, match="optim.lr_per_512 is set by both"):
+        combine([load_space("lr_wd"), _space("params:\n  optim.lr_per_512: {values: [1.0e-3]}\n")])
 
 
 def test_random_search_is_seeded_and_samples_within_ranges():
     space = load_spaces(["lr_wd"])
     first = plan_trials(space, _base(space), "random", 6, seed=3).variants
     assert first == plan_trials(space, _base(space), "random", 6, seed=3).variants
-    assert len(first) == 6 and all(1e-4 <= v["optim.lr"] <= 3e-3 for v in first)
+    assert len(first) == 6 and all(1e-4 <= v["optim.lr_per_512"] <= 3e-3 for v in first)
 
 
 def test_random_search_draws_only_the_knobs_that_apply():

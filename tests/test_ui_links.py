@@ -9,6 +9,11 @@ def test_a_run_link_opens_the_run_page_in_model_training_mode():
             == "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning")
 
 
+def test_a_run_link_with_an_artifact_opens_the_artifact_in_the_run_page():
+    assert (ui_link("http://mlflow:5000", "3", run_id="abc", artifact="summary.html")
+            == "http://mlflow:5000/#/experiments/3/runs/abc/artifacts/summary.html?workflowType=machine_learning")
+
+
 def test_an_experiment_link_opens_its_runs_table_in_model_training_mode():
     assert ui_link("http://mlflow:5000", "3") == "http://mlflow:5000/#/experiments/3/runs?workflowType=machine_learning"
 

@@ -22,12 +22,38 @@ from conftest import free_port
 # loopback the UI opens its "MLflow Assistant" panel over a third of the page on first load.
 NO_ASSISTANT_PANEL = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False}
 
+ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C WebDriver key of an element reference
+
 # What a test asserts on: the page heading, and the runs table's header cells (ag-grid) by column id.
 PAGE_FACTS_JS = """
 return {heading: (document.querySelector('h2') || {}).innerText || null,
         columns: [...document.querySelectorAll('.ag-header-cell[col-id]')].map(h => h.getAttribute('col-id')),
         column_groups: [...document.querySelectorAll('.ag-header-group-cell')].map(h => h.innerText.trim()),
         text: document.body.innerText};
+"""
+
+# MLflow's parallel-coordinates chart (parcoord-es): its axes' names, and how many lines its canvas
+# draws where they leave the first axis and where they reach the last (distinct values there).
+PARALLEL_COORDINATES_JS = """
+const plot = document.querySelector('.parcoords');
+if (!plot || !plot.querySelector('canvas.foreground')) return null;
+const canvas = plot.querySelector('canvas.foreground');
+const box = canvas.getBoundingClientRect(), scale = canvas.width / box.width;
+const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+const lines = x => {
+  const column = Math.round((x - box.left) * scale);
+  let count = 0, inside = false;
+  for (let y = 0; y < canvas.height; y++) {
+    const drawn = pixels[(y * canvas.width + column) * 4 + 3] > 16;
+    if (drawn && !inside) count++;
+    inside = drawn;
+  }
+  return count;
+};
+const axes = [...plot.querySelectorAll('.dimension')];
+const at = axes.map(axis => axis.querySelector('.domain').getBoundingClientRect().left);
+return {axes: axes.map(axis => axis.querySelector('.label').textContent),
+        leaving_first_axis: lines(at[0] + 3), reaching_last_axis: lines(at[at.length - 1] - 3)};
 """
 
 
@@ -134,6 +160,20 @@ class Browser:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never showed {missing!r}; it shows: {body[:800]!r}")
             time.sleep(0.5)
+
+    def click(self, css: str) -> None:
+        """A real click (pointer events, as a user's) on the first element matching ``css``."""
+        element = self._session("POST", "/element", {"using": "css selector", "value": css})
+        self._session("POST", f"/element/{element[ELEMENT]}/click", {})
+
+    def in_frame(self, css: str, js: str):
+        """``js`` run in the page inside the frame matching ``css`` (its own document, e.g. a sandboxed one)."""
+        frame = self._session("POST", "/element", {"using": "css selector", "value": css})
+        self._session("POST", "/frame", {"id": frame})
+        try:
+            return self.script(js)
+        finally:
+            self._session("POST", "/frame/parent", {})
 
     def facts(self, every_column: bool = False) -> dict:
         """The heading, runs-table column ids and group headers, and the page text. ``every_column``

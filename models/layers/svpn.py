@@ -8,7 +8,8 @@ singular values, svPN(Q) = Σ_i λ_i^α u_i v_iᵀ (Eq. 5). Two ways to compute 
 * ``svpn_approx``: power iteration with deflation (Eqs. 6-7) for the r largest singular values,
   the remaining spectrum scaled by the r-th one (Eq. 8). With r = 1 this is Q / λ̂₁^(1-α), where
   λ̂₁ is the power-iteration *estimate* after #iter steps, not the exact σ₁. r ≥ 2 needs #iter ≥ 2
-  (``SvPN`` refuses r ≥ 2 with one iteration; see there).
+  (``SvPN`` refuses r ≥ 2 with one iteration; see there). As in the authors' released svPN, the r
+  estimated components are removed exactly and eps guards only the division of the remainder.
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def svpn_approx(
     """Approximate svPN (Eq. 8) of ``q`` [B, m, n] from ``num_sv`` power-iteration singular triplets.
 
     ``v0`` [n] is the initial right vector v⁽⁰⁾ of Eq. 6, shared across the batch and restarted for
-    every deflation step. ``eps`` keeps 1/λ̂_r^(1-α) finite for an all-zero residual.
+    every deflation step. ``eps`` keeps 1/λ̂_r^(1-α) finite for an all-zero residual; it divides only the
+    remainder left after the r estimated components, as in the released svPN.
     """
     _check_alpha(alpha)
     work, precision = _full_precision(q)
@@ -122,30 +124,37 @@ def svpn_approx(
 
 
 def _svpn_approx(q: torch.Tensor, v0: torch.Tensor, alpha: float, num_sv: int, iters: int, eps: float) -> torch.Tensor:
+    residual = q  # Q - Σ_{i<k} λ̂_i û_i v̂_iᵀ, the deflated matrix of Eq. 7
+    shrunk = None  # Σ_{i<k} λ̂_i^α û_i v̂_iᵀ
+    for _ in range(num_sv - 1):
+        lam, u, v = _leading_triplet(residual, v0, iters)
+        rank_one = u * v  # û v̂ᵀ
+        term = lam.pow(alpha) * rank_one
+        shrunk = term if shrunk is None else shrunk + term
+        residual = residual - lam * rank_one  # deflation (Eq. 7)
+    lam, u, v = _leading_triplet(residual, v0, iters)
+    # Eq. 8 with eps where the released svPN puts it: the r estimated components stay exactly λ̂^α û v̂ᵀ
+    # and only the rest, Q minus them, is divided by λ̂_r^(1-α) + eps. The r-th component's removal and
+    # its λ̂^α term are one rank-one update: residual / den + (λ̂^α - λ̂ / den) û v̂ᵀ.
+    den = lam.pow(1.0 - alpha) + eps
+    out = torch.addcmul(residual / den, u * (lam.pow(alpha) - lam / den), v)
+    return out if shrunk is None else shrunk + out
+
+
+def _leading_triplet(q: torch.Tensor, v0: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """λ̂ [B, 1, 1], û [B, m, 1] and v̂ᵀ [B, 1, n] after #iter power iterations (Eq. 6) from v⁽⁰⁾."""
     # Speed (benchmarks/bench_svpn.py): the shared v⁽⁰⁾ makes the first mat-vec one matrix-vector
     # product over all B x m rows; per-matrix mat-vecs are broadcast multiply + sum, because a batched
     # matmul of [B, m, n] by [B, n, 1] is dominated by per-matrix GEMM overhead at MGCrP's small m x n.
-    residual = q  # Q - Σ_{i<k} λ̂_i û_i v̂_iᵀ, the deflated matrix of Eq. 7
-    shrunk = None  # Σ_{i<k} λ̂_i^α û_i v̂_iᵀ
-    for k in range(num_sv):
-        for step in range(iters):  # every deflation step restarts from v⁽⁰⁾ (Eq. 6)
-            # Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
-            qv = residual @ v0 if step == 0 else (residual * v.unsqueeze(-2)).sum(-1)
-            qv_norm = qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            qt_qv = (residual * qv.unsqueeze(-1)).sum(-2)  # Qᵀ Q v⁽ʲ⁾, [B, n]
-            qt_qv_norm = qt_qv.norm(dim=-1, keepdim=True)
-            lam = qt_qv_norm / qv_norm  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6), without normalising u first
-            v = qt_qv / qt_qv_norm.clamp_min(1e-12)
-        lam = lam.unsqueeze(-1)  # [B, 1, 1]
-        if k == num_sv - 1:  # remaining spectrum scaled by the r-th estimate (Eq. 8)
-            scaled = residual * (lam.pow(1.0 - alpha) + eps).reciprocal()
-            out = scaled if shrunk is None else shrunk + scaled
-        else:
-            rank_one = (qv / qv_norm).unsqueeze(-1) * v.unsqueeze(-2)  # û v̂ᵀ
-            term = lam.pow(alpha) * rank_one
-            shrunk = term if shrunk is None else shrunk + term
-            residual = residual - lam * rank_one  # deflation (Eq. 7)
-    return out
+    for step in range(iters):  # every deflation step restarts from v⁽⁰⁾ (Eq. 6)
+        # Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
+        qv = q @ v0 if step == 0 else (q * v.unsqueeze(-2)).sum(-1)
+        qv_norm = qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        qt_qv = (q * qv.unsqueeze(-1)).sum(-2)  # Qᵀ Q v⁽ʲ⁾, [B, n]
+        qt_qv_norm = qt_qv.norm(dim=-1, keepdim=True)
+        lam = qt_qv_norm / qv_norm  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6), without normalising u first
+        v = qt_qv / qt_qv_norm.clamp_min(1e-12)
+    return lam.unsqueeze(-1), (qv / qv_norm).unsqueeze(-1), v.unsqueeze(-2)
 
 
 class SvPN(nn.Module):

@@ -1,12 +1,15 @@
 """The `vitsweep` command. Each subcommand group lives in its own module with ``add_parser``.
 
-Exit codes: 0 success, 2 invalid input (config, path, dataset), 1 failure at run time.
+Exit codes: 0 success, 2 invalid input (config, path, dataset), 1 failure at run time, 130 / 143
+interrupted by SIGINT / SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
+from pipeline import interrupts
 from pipeline.cli import compare, config, data, doctor, evaluate, models, predict, register, train, tune
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.uris import redact
@@ -34,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        with interrupts.raised():  # first: a signal at any later moment ends the command with its exit code
+            return _command(argv)
+    except Interrupted as stop:  # before the command line was read
+        print(f"vitsweep: interrupted by {stop.signal_name}", file=sys.stderr)
+        return stop.exit_code
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -51,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print(redact(f"vitsweep {args.command}: {err}"), file=sys.stderr)
         return EXIT_FAILURE
     except Interrupted as stop:
-        print(f"vitsweep {args.command}: interrupted by {stop.signal_name}; the MLflow run is marked KILLED; run the "
-              "same command again to continue from its last checkpoint", file=sys.stderr)
+        print(f"vitsweep {args.command}: interrupted by {stop.signal_name}{'; ' if stop.outcome else ''}{stop.outcome}",
+              file=sys.stderr)
         return stop.exit_code
-    except KeyboardInterrupt:
-        print(f"vitsweep {args.command}: interrupted", file=sys.stderr)
-        return EXIT_FAILURE
+    except KeyboardInterrupt:  # SIGINT where a library put Python's default handler back
+        print(f"vitsweep {args.command}: interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT

@@ -1,4 +1,4 @@
-"""`vitsweep compare EXPERIMENT`: a sweep's results table from MLflow, in the terminal."""
+"""`vitsweep compare EXPERIMENT`: a sweep's results table and knob importances from MLflow, in the terminal."""
 from __future__ import annotations
 
 import argparse
@@ -11,34 +11,37 @@ from pipeline.errors import InvalidInputError
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "compare", help="Print a sweep's results table from MLflow.",
+        "compare", help="Print a sweep's results table and which knob mattered, from MLflow.",
         description="The table `vitsweep tune` records as the parent run's results.csv, read live from MLflow "
-                    "(so a running sweep shows its progress). The store is the config's: tracking.mlflow_uri, "
-                    "MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db.",
+                    "(so a running sweep shows its progress), then each searched knob's importance for the "
+                    "sweep's metric (fANOVA over the completed trials, seeds averaged). The store is the config's: "
+                    "tracking.mlflow_uri, MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db.",
     )
     parser.add_argument("experiment", metavar="EXPERIMENT", help="MLflow experiment name (tracking.experiment)")
     parser.add_argument("--sweep", default=None, metavar="NAME",
                         help="which sweep (its name, tune.name); default: the latest in the experiment")
-    parser.add_argument("--csv", action="store_true", help="print CSV instead of an aligned table")
+    parser.add_argument("--csv", action="store_true", help="print the table as CSV (only the table)")
     add_config_arguments(parser)
     parser.set_defaults(run=_run)
 
 
-def _pruned(parent) -> list[dict]:
-    """Pruned samples: the finished sweep's pruned.json, else the record written when it started."""
+def _record(parent) -> dict:
+    """The sweep's record (space, pruned samples) as `vitsweep tune` wrote it when it started; the
+    finished sweep's pruned.json replaces its list of pruned samples (TPE prunes as it goes)."""
     from pipeline.sweeps.runner import PRUNED_NAME, RECORD_NAME
 
     artifacts = parent.artifact_names()
+    record = json.loads(parent.read_artifact(RECORD_NAME)) if RECORD_NAME in artifacts else {}
     if PRUNED_NAME in artifacts:
-        return json.loads(parent.read_artifact(PRUNED_NAME))
-    if RECORD_NAME in artifacts:
-        return json.loads(parent.read_artifact(RECORD_NAME)).get("pruned", [])
-    return []
+        record["pruned"] = json.loads(parent.read_artifact(PRUNED_NAME))
+    return record
 
 
 def _run(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.sweeps import report
+    from pipeline.sweeps.importance import format_importance, knob_importance
+    from pipeline.sweeps.spaces import spaces_from_record
     from pipeline.sweeps.tracking import ROLE_TAG
     from pipeline.tracking import MlflowStore, require_reachable, resolve_tracking_uri
 
@@ -66,7 +69,9 @@ def _run(args: argparse.Namespace) -> int:
 
     params = found.data.params
     metric, mode = params.get("tune.metric", "val_top1"), params.get("tune.mode", "max")
-    rows = report.sweep_rows(parent, metric) + report.pruned_rows(_pruned(parent))
+    record = _record(parent)
+    trials = report.sweep_rows(parent, metric)
+    rows = trials + report.pruned_rows(record.get("pruned", []))
     if args.csv:
         print(report.to_csv(rows, metric, mode), end="")
         return 0
@@ -79,6 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\nper configuration, over seeds (completed trials):\n{report.format_seed_table(rows, metric, mode)}\n"
               "\nper trial:")
     print(report.format_table(rows, metric, mode))
+    if "spaces" in record:  # the knobs as searched: which was a choice, a range, a log range
+        space = spaces_from_record([tuple(part) for part in record["spaces"]])
+        print(f"\n{format_importance(knob_importance(trials, metric, space.dims, params.get('tune.searcher')))}")
     if others:
         print(f"\nother sweeps in {args.experiment!r} (--sweep NAME): {', '.join(others)}")
     return 0

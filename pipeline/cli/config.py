@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config import available_presets, load_config
+from pipeline.lr_scaling import describe_lr, recorded_params
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +65,13 @@ def add_parser(commands) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    if args.flat:
-        for key, value in cfg.flat().items():
+    world_size = cfg.scaling.num_workers
+    if args.flat:  # as MLflow records them: the derived rate and batch too
+        for key, value in {**cfg.flat(), **recorded_params(cfg.optim, world_size)}.items():
             print(f"{key}={value}")
-    else:
+    else:  # the derived values as a comment: the output stays a config file
         print(cfg.to_yaml(), end="")
+        print(f"# {describe_lr(cfg.optim, world_size)}")
     return 0
 
 
@@ -77,5 +80,6 @@ def _validate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     params = check_model(cfg.model)
-    print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes)")
+    print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes); "
+          f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}")
     return 0

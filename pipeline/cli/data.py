@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +28,10 @@ def add_parser(commands) -> None:
                        help="digits and CIFAR: which split (digits: fixed, seeded 80/20); "
                             "ImageFolder: the SOURCE/<split> folder")
     write.add_argument("--img-size", type=int, default=None, metavar="PX", help="digits only: image side (default 32)")
+    write.add_argument("--classes", default=None, metavar="A,B,...",
+                       help="only these classes of SOURCE (its class names), relabelled 0..k-1 in this order")
+    write.add_argument("--per-class", type=int, default=None, metavar="N",
+                       help="at most N images of each class, the first in SOURCE's order (a few-shot set)")
     from pipeline.data.sidecar import FFCV_IMAGENET_WRITE as default  # ffcv-imagenet's settings
 
     write.add_argument("--write-mode", choices=["raw", "jpg", "proportion"], default=default.write_mode,
@@ -75,15 +80,29 @@ def _user_facing() -> None:
     quiet_numba_finalizers()
 
 
+@contextlib.contextmanager
+def _warnings_on_stderr():
+    """The sources' warnings (files left out) as ``warning:`` lines on stderr, when the block ends."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                print(f"warning: {warning.message}", file=sys.stderr)
+
+
 def _write(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from pipeline.data.sidecar import WriteOptions
-    from pipeline.data.sources import DIGITS, open_source
+    from pipeline.data.sources import DIGITS, SubsetSource, open_source
     from pipeline.data.writing import WriteFailedError, write_beton
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
     _user_facing()
+    check_can_create(files={"OUT.beton": args.out})
     if args.img_size is not None and args.source != DIGITS:
         raise InvalidInputError(f"--img-size applies to {DIGITS!r} only; for {args.source!r} use --max-resolution")
     try:
@@ -97,13 +116,15 @@ def _write(args: argparse.Namespace) -> int:
         raise InvalidInputError(problems) from None
     if args.workers is not None and args.workers < 1:
         raise InvalidInputError(f"--workers {args.workers}: need at least 1 writer process")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        source = open_source(args.source, args.split, args.img_size)
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
+    classes = [name.strip() for name in args.classes.split(",")] if args.classes is not None else None
+    if classes is not None and not all(classes):
+        raise InvalidInputError(f"--classes {args.classes!r}: give class names separated by commas")
     try:
-        sidecar = write_beton(source, args.out, options, num_workers=args.workers, overwrite=args.overwrite)
+        with _warnings_on_stderr():
+            source = open_source(args.source, args.split, args.img_size)
+            if classes is not None or args.per_class is not None:
+                source = SubsetSource(source, classes, args.per_class)
+            sidecar = write_beton(source, args.out, options, num_workers=args.workers, overwrite=args.overwrite)
     except WriteFailedError as err:
         print(f"vitsweep data write: {err}", file=sys.stderr)
         return 1
@@ -115,7 +136,9 @@ def _write(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from pipeline.data.inspection import decode_samples, export_samples, sample_grid, spread_indices
     from pipeline.data.integrity import check_beton
+    from pipeline.config import location_problem
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
     _user_facing()
     if args.samples < 1:
@@ -123,12 +146,20 @@ def _inspect(args: argparse.Namespace) -> int:
     export = Path(args.export) if args.export else None
     if export is not None and (export.is_file() or (export.is_dir() and any(export.iterdir()))):
         raise InvalidInputError(f"--export {args.export}: not an empty directory; give a new or empty one")
+    problem = location_problem(args.file, kind="file")
+    if problem:
+        raise InvalidInputError(f"FILE.beton: {problem}")
+    grid_path = Path(args.grid or f"{Path(args.file).name.removesuffix('.beton')}_samples.png")
+    check_can_create(files={"--grid": grid_path})
     sidecar = check_beton(args.file, verify_checksum=not args.no_checksum)
     size = sidecar.image_size
     print(f"file      {args.file}")
     print(f"integrity ok (structure, size, labels{'' if args.no_checksum else ', sha256'})")
     print(f"source    {sidecar.source.kind} {sidecar.source.location}"
           f"{f' split={sidecar.source.split}' if sidecar.source.split else ''}")
+    if sidecar.source.selected_classes or sidecar.source.per_class:
+        kept = ", ".join(sidecar.source.selected_classes or ["every class"])
+        print(f"subset    {kept}" + (f"; at most {sidecar.source.per_class} images each" if sidecar.source.per_class else ""))
     print(f"samples   {sidecar.num_samples} in {sidecar.num_classes} classes")
     print(f"images    {size.min_width}-{size.max_width} x {size.min_height}-{size.max_height} px "
           f"(mean {size.mean_width:g} x {size.mean_height:g}); stored {sidecar.write.write_mode}"
@@ -139,7 +170,6 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {count}")
     indices = spread_indices(sidecar.num_samples, args.samples)
     images, labels = decode_samples(args.file, indices)
-    grid_path = Path(args.grid or f"{Path(args.file).name.removesuffix('.beton')}_samples.png")
     grid_path.parent.mkdir(parents=True, exist_ok=True)
     sample_grid(images, [sidecar.classes[label] for label in labels]).save(grid_path)
     print(f"saved {len(indices)} decoded samples to {grid_path}")
@@ -154,14 +184,20 @@ def _stage(args: argparse.Namespace) -> int:
 
     from pydantic import TypeAdapter, ValidationError
 
+    from pipeline.config import location_problem
     from pipeline.data.staging import stage_dataset
     from pipeline.errors import InvalidInputError
+    from pipeline.locations import check_can_create
 
+    problem = location_problem(args.uri, kind="file")
+    if problem:
+        raise InvalidInputError(f"URI_OR_PATH: {problem}")
     streams = DataConfig.model_fields["stage_streams"]  # the flag takes what the config key takes
     try:
         TypeAdapter(Annotated[streams.annotation, streams]).validate_python(args.streams)
     except ValidationError as err:
         raise InvalidInputError(f"--streams {args.streams}: {err.errors(include_url=False)[0]['msg']}") from None
+    check_can_create({"--cache-dir": args.cache_dir})
     print(stage_dataset(args.uri, args.cache_dir, args.streams))
     return 0
 
@@ -169,9 +205,11 @@ def _stage(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.data.prepare import prepare_digits
+    from pipeline.locations import check_can_create
 
     _user_facing()
     cfg = load_config(args.config, args.overrides)
+    check_can_create(files={"data.train": cfg.data.train, "data.val": cfg.data.val})
     train, val = prepare_digits(cfg.data, cfg.model.img_size)
     print(f"digits at {cfg.model.img_size}px: train {train}, val {val}")
     return 0

@@ -1,4 +1,9 @@
-"""`vitsweep doctor`: what this node has, the first thing to run on a new machine."""
+"""`vitsweep doctor`: what this node has, the first thing to run on a new machine.
+
+``--node`` says what the node is for, so each cluster file checks a node for its own job: a check
+that cannot apply there is reported ``skip`` with the reason, never failed (a CPU head has no GPU;
+a Kubernetes init container has no volume and no tracking URI).
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +11,20 @@ import os
 import platform
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
 from pipeline.config import ExperimentConfig, load_config
+
+# What a node is for (`--node`); without it, every check the config calls for.
+NODE_ROLES = {
+    "head": "a Ray head node: job drivers and Ray Train's controllers, no GPU work",
+    "gpu-worker": "a Ray GPU worker node: trains on its GPUs",
+    "gpu-driver": "a GPU node before Ray starts (a Kubernetes init container): its NVIDIA driver against this torch",
+}
+GPU_ROLES = ("gpu-worker", "gpu-driver")  # the GPUs must be usable, whatever the config says
 
 
 def add_parser(commands) -> None:
@@ -18,7 +32,19 @@ def add_parser(commands) -> None:
         "doctor", help="Check torch/CUDA (and the NVIDIA driver when the config uses GPUs), DeepSpeed, FFCV, Ray, MLflow reachability and free disk."
     )
     add_config_arguments(parser)
+    parser.add_argument(
+        "--node", choices=list(NODE_ROLES), default=None,
+        help="what this node is for; checks that cannot apply there are skipped with the reason: "
+             + "; ".join(f"{role}: {what}" for role, what in NODE_ROLES.items()),
+    )
     parser.set_defaults(run=_run)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[], str]
+    skipped_on: dict[str, str] = field(default_factory=dict)  # node role -> why the check does not apply there
 
 
 def _torch() -> str:
@@ -31,10 +57,10 @@ def _torch() -> str:
             f"CPU threads: {torch.get_num_threads()}")
 
 
-def _gpu(cfg: ExperimentConfig) -> str:
+def _gpu(cfg: ExperimentConfig, node: str | None) -> str:
     from pipeline.accelerator import GpuUnavailableError, check_gpu_node
 
-    if cfg.scaling.use_gpu:  # a GPU job on a node whose GPUs cannot run this torch: fail here, not at step 1
+    if cfg.scaling.use_gpu or node in GPU_ROLES:  # GPUs this torch cannot run: fail here, not at step 1
         return check_gpu_node()
     try:
         return check_gpu_node()
@@ -89,32 +115,51 @@ def _mlflow(cfg: ExperimentConfig) -> str:
 
 
 def _disk(cfg: ExperimentConfig) -> str:
+    from pipeline.locations import check_can_create, run_directories
+
+    check_can_create(run_directories(cfg))  # the run's storage and this node's caches can be written
     storage = Path(cfg.run.storage_path).expanduser().resolve()
     existing = next(p for p in [storage, *storage.parents] if p.exists())
     free_gb = shutil.disk_usage(existing).free / 1e9
     return f"{free_gb:.1f} GB free at {existing} (run storage: {storage})"
 
 
+# Before Ray starts on a GPU node only its driver is checked: the image's build imported the libraries.
+DRIVER_ONLY = {"gpu-driver": "only the NVIDIA driver is checked before Ray starts (the image's build imports the rest)"}
+
+
+def checks(cfg: ExperimentConfig, node: str | None) -> list[Check]:
+    return [
+        Check("python", lambda: f"{platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs"),
+        Check("torch", _torch),
+        Check("gpu", lambda: _gpu(cfg, node),
+              {"head": "the head runs no GPU work; each GPU node checks its own driver"}),
+        Check("timm", _timm, DRIVER_ONLY),
+        Check("deepspeed", _deepspeed, DRIVER_ONLY),
+        Check("ffcv", _ffcv, DRIVER_ONLY),
+        Check("ray", _ray, DRIVER_ONLY),
+        Check("mlflow", lambda: _mlflow(cfg),
+              {"gpu-driver": "an init container has no tracking URI (runs get theirs from the job's runtime environment)"}),
+        Check("disk", lambda: _disk(cfg),
+              {"gpu-driver": "an init container mounts no volume (the run storage is the Ray container's)"}),
+    ]
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # an invalid config exits 2 before any check
-    checks: list[tuple[str, Callable[[], str]]] = [
-        ("python", lambda: f"{platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs"),
-        ("torch", _torch),
-        ("gpu", lambda: _gpu(cfg)),
-        ("timm", _timm),
-        ("deepspeed", _deepspeed),
-        ("ffcv", _ffcv),
-        ("ray", _ray),
-        ("mlflow", lambda: _mlflow(cfg)),
-        ("disk", lambda: _disk(cfg)),
-    ]
-    failed = 0
-    for name, check in checks:
-        try:
-            status, detail = "ok", check()
-        except Exception as err:  # a doctor reports every failure, it does not stop at the first
-            status, detail = "FAIL", f"{type(err).__name__}: {err}"
-            failed += 1
-        print(f"{status:>4}  {name:<10} {detail}")
-    print(f"\n{len(checks) - failed}/{len(checks)} checks passed")
+    failed = skipped = 0
+    found = checks(cfg, args.node)
+    for check in found:
+        if args.node in check.skipped_on:
+            status, detail = "skip", f"not on a {args.node} node: {check.skipped_on[args.node]}"
+            skipped += 1
+        else:
+            try:
+                status, detail = "ok", check.run()
+            except Exception as err:  # a doctor reports every failure, it does not stop at the first
+                status, detail = "FAIL", f"{type(err).__name__}: {err}"
+                failed += 1
+        print(f"{status:>4}  {check.name:<10} {detail}")
+    ran = len(found) - skipped
+    print(f"\n{ran - failed}/{ran} checks passed" + (f", {skipped} skipped on a {args.node} node" if skipped else ""))
     return 1 if failed else 0

@@ -50,7 +50,9 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.registry import check_registry_names, register_run
     from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
-    from pipeline.tracking import check_logger_can_reach, where_to_look
+    from pipeline.sweeps.importance import format_importance
+    from pipeline.sweeps.summary import SUMMARY_NAME
+    from pipeline.tracking import check_logger_can_reach, ui_link, ui_server, where_to_look
 
     if args.alias and not args.register:
         raise InvalidInputError(f"--alias {args.alias} names an alias of the model --register NAME registers; give both")
@@ -67,14 +69,17 @@ def _sweep(args: argparse.Namespace, console) -> int:
     check_logger_can_reach(sweep.tracking_uri, args.address)
     outcome = run_sweep(sweep, address=args.address, resume=bool(args.resume))
 
-    console.line(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}")
+    console.line(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}\n\n"
+                 f"{format_importance(outcome.knob_importance)}")
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
         console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
                      f"{outcome.best.knobs}")
     console.line(f"  sweep directory: {outcome.directory}\n"
                  f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
-                 + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view))
+                 + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view)
+                 + f"\n  the sweep's result on one page: "
+                 f"{ui_link(ui_server(outcome.tracking_uri), outcome.experiment_id, outcome.parent_run_id, artifact=SUMMARY_NAME)}")
     if outcome.interrupted:
         print(f"vitsweep tune: interrupted; continue with: vitsweep tune --resume {outcome.directory}", file=sys.stderr)
         return 1

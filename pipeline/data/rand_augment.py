@@ -8,11 +8,12 @@ replacement, or timm's weighted choice without), applies each with probability `
 magnitude ``N(m, mstd)`` clipped to ``[0, mmax or 10]``, and a random sign where timm negates --
 and runs each op once per layer on the samples that drew it, on a uint8 ``[B, 3, H, W]`` batch.
 
-Every op reproduces its PIL counterpart (``timm.data.auto_augment``): the colour ops exactly
-(same integer formulas, same truncation; float32 blends as Pillow computes them); translate and
-shear up to float32 rounding (Pillow's own a=-1 cubic along one axis); rotate up to its
-interpolation kernel (torch's 2D bicubic, a=-0.75), with the same pixel-centre convention and the
-same hard edge where the fill colour starts.
+Every op returns exactly what its PIL counterpart (``timm.data.auto_augment``) returns: the colour
+ops with the same integer formulas and truncation (float32 blends as Pillow computes them); rotate,
+shear and translate with Pillow's bicubic resampler (the interpolation DeiT's hparams give timm;
+without one timm picks bilinear or bicubic at random), its double arithmetic repeated operation by
+operation in float64. The one deliberate difference: posterize to 0 bits is black where Pillow >= 10
+raises (see ``posterize``).
 
 Random draws come from a CPU ``torch.Generator`` seeded at construction: they are the same for a
 given seed and sequence of batch sizes, and never wait for the device.
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from timm.data import auto_augment
 
 _LEVEL_DENOM = 10.0  # timm's magnitude scale: level = magnitude / 10
@@ -97,7 +97,9 @@ def invert(images: torch.Tensor, _arguments: torch.Tensor, _fill: torch.Tensor) 
 
 
 def posterize(images: torch.Tensor, bits: torch.Tensor, _fill: torch.Tensor) -> torch.Tensor:
-    # Keep the top `bits` bits; 0 bits is black (timm's intent; Pillow >= 10 rejects 0), 8 is identity.
+    # Keep the top `bits` bits; 8 is identity. 0 bits is black, as timm intends and Pillow < 10 did:
+    # Pillow >= 10 refuses bits=0, so timm's own PosterizeIncreasing raises in a DataLoader worker at
+    # magnitude 10 (2.3 % of its layers under DeiT's m9 std 0.5); returning black keeps timm's meaning.
     quantum = _per_image(2 ** (8 - bits.clamp(0, 8)), images)
     return (images / quantum).floor_() * quantum
 
@@ -137,89 +139,55 @@ def sharpness(images: torch.Tensor, factor: torch.Tensor, _fill: torch.Tensor) -
 
 
 def _affine(images: torch.Tensor, matrices: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """PIL's ``Image.transform(AFFINE, matrix, BICUBIC, fillcolor=fill)`` for each image.
+    # Imported here: numba loads when an image is first transformed, not when a config's spec is checked.
+    from pipeline.data.pillow_affine import affine_bicubic
 
-    ``matrices`` ``[k, 2, 3]`` map an output pixel's centre to the source point, in pixels from the
-    top-left corner (PIL's convention); a source point outside the image takes the fill colour, a
-    point inside samples with edge pixels repeated, as PIL's bicubic filter does.
-    """
-    k, _, height, width = images.shape
-    ys, xs = torch.meshgrid(
-        torch.arange(height, device=images.device, dtype=images.dtype) + 0.5,
-        torch.arange(width, device=images.device, dtype=images.dtype) + 0.5,
-        indexing="ij",
-    )
-    centres = torch.stack((xs, ys, torch.ones_like(xs)), dim=-1)  # [H, W, 3]
-    source = torch.einsum("hwj,kij->khwi", centres, _to_device(matrices.to(images.dtype), images.device))
-    source_x, source_y = source.unbind(-1)
-    inside = (source_x >= 0) & (source_x < width) & (source_y >= 0) & (source_y < height)
-    grid = torch.stack((source_x / (width / 2) - 1, source_y / (height / 2) - 1), dim=-1)
-    sampled = F.grid_sample(images, grid, mode="bicubic", padding_mode="border", align_corners=False)
-    # PIL truncates its interpolated values into uint8.
-    return torch.where(inside.unsqueeze(1), sampled.clamp_(0, 255).floor_(), fill.view(1, 3, 1, 1))
+    return affine_bicubic(images, matrices, fill)
+
+
+def _identity_but(index: int, values: torch.Tensor) -> torch.Tensor:
+    """Pillow affine ``data`` rows ``[k, 6]``: the identity (1, 0, 0, 0, 1, 0) with entry ``index`` set to ``values``."""
+    matrices = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64).repeat(len(values), 1)
+    matrices[:, index] = values
+    return matrices
+
+
+def _rotation_matrix(degrees: float, width: int, height: int) -> tuple[float, ...]:
+    """``Image.rotate``'s matrix, computed as Pillow computes it: Python floats, the angle mod 360, the
+    trigonometry rounded to 15 decimals, about the image centre."""
+    angle = -math.radians(degrees % 360.0)
+    a0, a1 = round(math.cos(angle), 15), round(math.sin(angle), 15)
+    a3, a4 = round(-math.sin(angle), 15), round(math.cos(angle), 15)
+    centre_x, centre_y = width / 2, height / 2
+    return (a0, a1, a0 * -centre_x + a1 * -centre_y + 0.0 + centre_x,
+            a3, a4, a3 * -centre_x + a4 * -centre_y + 0.0 + centre_y)
 
 
 def rotate(images: torch.Tensor, degrees: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    # PIL's Image.rotate: about the image centre, counter-clockwise for positive degrees.
+    # PIL's Image.rotate: counter-clockwise for positive degrees. At 0 degrees (and quarter turns of a
+    # square image) every pixel centre maps onto a pixel centre and the cubic returns that pixel, as
+    # Pillow's copy and transpose fast paths do.
     height, width = images.shape[2:]
-    angle = -torch.deg2rad(degrees.double())
-    cos, sin = angle.cos(), angle.sin()
-    centre_x, centre_y = width / 2, height / 2
-    matrices = torch.stack((
-        torch.stack((cos, sin, centre_x - cos * centre_x - sin * centre_y), dim=-1),
-        torch.stack((-sin, cos, centre_y + sin * centre_x - cos * centre_y), dim=-1),
-    ), dim=1)
+    matrices = torch.tensor([_rotation_matrix(angle, width, height) for angle in degrees.tolist()], dtype=torch.float64)
     return _affine(images, matrices, fill)
 
 
-def _shift_rows(images: torch.Tensor, shifts: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Row ``y`` of each image sampled at ``x + shifts[:, y]``: PIL's affine transforms that move pixels
-    along x only (translate, shear), with PIL's bicubic filter (the a = -1 cubic, edge pixels
-    repeated, truncated) -- 4 taps per pixel instead of a 2D resampling.
-    """
-    k, channels, height, width = images.shape
-    shifts = _to_device(shifts.to(images.dtype), images.device)  # [k, H]
-    whole = shifts.floor()
-    d = (shifts - whole).view(k, 1, height, 1)
-    # One gather of a W + 3 window per row (taps x-1 .. x+2 of every x), edge pixels repeated.
-    window = torch.arange(width + 3, device=images.device) + whole.long().unsqueeze(-1) - 1  # [k, H, W + 3]
-    taps = images.gather(3, window.clamp_(0, width - 1).unsqueeze(1).expand(k, channels, height, width + 3))
-    # PIL's cubic weights for taps x-1, x, x+1, x+2 at fraction d (one weight per row).
-    d2, d3 = d * d, d * d * d
-    values = taps[..., 1:width + 1] * (1 - 2 * d2 + d3)
-    values.addcmul_(taps[..., :width], -d + 2 * d2 - d3)
-    values.addcmul_(taps[..., 2:width + 2], d + d2 - d3)
-    values.addcmul_(taps[..., 3:], d3 - d2)
-    source = torch.arange(width, device=images.device) + 0.5 + shifts.unsqueeze(-1)  # PIL samples only inside
-    inside = ((source >= 0) & (source < width)).unsqueeze(1)
-    return torch.where(inside, values.clamp_(0, 255).floor_(), fill.view(1, 3, 1, 1))
-
-
-def _shift_columns(images: torch.Tensor, shifts: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    # Contiguous after transposing: gathers and elementwise ops on a transposed view are ~10x slower on CPU.
-    return _shift_rows(images.transpose(2, 3).contiguous(), shifts, fill).transpose(2, 3)
-
-
-def _centres(count: int, size: int) -> torch.Tensor:
-    return (torch.arange(size, dtype=torch.float64) + 0.5).expand(count, size)
-
-
 def shear_x(images: torch.Tensor, factor: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    # PIL matrix (1, factor, 0, 0, 1, 0): source x = x + factor * y, y measured from the top edge.
-    return _shift_rows(images, factor.unsqueeze(-1) * _centres(len(factor), images.shape[2]), fill)
+    # timm: transform(AFFINE, (1, factor, 0, 0, 1, 0)): source x = x + factor * y.
+    return _affine(images, _identity_but(1, factor), fill)
 
 
 def shear_y(images: torch.Tensor, factor: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    return _shift_columns(images, factor.unsqueeze(-1) * _centres(len(factor), images.shape[3]), fill)
+    return _affine(images, _identity_but(3, factor), fill)
 
 
 def translate_x_rel(images: torch.Tensor, fraction: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    # PIL matrix (1, 0, pixels, 0, 1, 0), pixels = fraction x width.
-    return _shift_rows(images, (fraction * images.shape[3]).unsqueeze(-1).expand(-1, images.shape[2]), fill)
+    # timm: transform(AFFINE, (1, 0, pixels, 0, 1, 0)), pixels = fraction x width.
+    return _affine(images, _identity_but(2, fraction * images.shape[3]), fill)
 
 
 def translate_y_rel(images: torch.Tensor, fraction: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    return _shift_columns(images, (fraction * images.shape[2]).unsqueeze(-1).expand(-1, images.shape[3]), fill)
+    return _affine(images, _identity_but(5, fraction * images.shape[2]), fill)
 
 
 # -- timm's level -> argument mappings (timm.data.auto_augment.*_level_to_arg), vectorised ----------

@@ -61,6 +61,8 @@ class SourceInfo(_Record):
     location: str
     split: Literal["train", "val"] | None = None
     skipped_files: int = Field(0, ge=0)  # non-image files found in an ImageFolder tree
+    selected_classes: list[str] | None = None  # `data write --classes`: the source's classes kept (None: all)
+    per_class: int | None = Field(None, ge=1)  # `data write --per-class`: at most this many images per class
 
 
 class ImageSizeStats(_Record):

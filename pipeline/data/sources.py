@@ -6,6 +6,7 @@ records: class names in label order, one label per sample, and each image's size
 """
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import warnings
@@ -26,7 +27,11 @@ _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 class SkippedFilesWarning(UserWarning):
-    """Files in an ImageFolder tree that are not images were left out of the dataset."""
+    """Files in an ImageFolder tree that are not readable images were left out of the dataset."""
+
+
+class SmallClassWarning(UserWarning):
+    """A class holds fewer images than ``--per-class`` asked for; all of them were kept."""
 
 
 class ImageSource:
@@ -39,6 +44,8 @@ class ImageSource:
     labels: np.ndarray  # int64, one per sample, in [0, len(classes))
     sizes: np.ndarray  # (N, 2) int: each image's (width, height) as the source stores it
     skipped: list[str]  # files that were not images (ImageFolder only)
+    selected_classes: list[str] | None = None  # SubsetSource: the source's classes kept (None: all)
+    per_class: int | None = None  # SubsetSource: at most this many images of each class
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -52,6 +59,13 @@ class ImageSource:
     def describe(self, index: int) -> str:
         """Where sample ``index`` comes from, for error messages."""
         return f"{self.location} sample {index}"
+
+    def without_unreadable(self, reasons: dict[int, str]) -> ImageSource:
+        """This source without the samples that could not be loaded (index -> why). A source of
+        files leaves such files out as it leaves out those it cannot identify; a source in memory
+        has no bad files, only a fault: the write is refused, naming every sample."""
+        raise InvalidInputError(f"{len(reasons)} sample(s) could not be loaded; nothing was written:\n"
+                                + "\n".join(f"  {self.describe(index)}: {reason}" for index, reason in reasons.items()))
 
 
 def to_rgb_array(image: Image.Image) -> np.ndarray:
@@ -89,6 +103,11 @@ def open_source(source: str, split: str | None = None, img_size: int | None = No
     cifar = find_cifar(root)
     if cifar is not None:
         return CifarSource(cifar, _require_split(split, f"CIFAR at {source!r}"))
+    if split is None and set(SPLITS) <= _folders(root):
+        raise InvalidInputError(
+            f"source {source!r} holds the folders {' and '.join(SPLITS)}: they are its splits, not classes; "
+            f"choose one with --split {{{','.join(SPLITS)}}}"
+        )
     if split is not None:
         if not (root / split).is_dir():
             raise InvalidInputError(
@@ -97,6 +116,10 @@ def open_source(source: str, split: str | None = None, img_size: int | None = No
             )
         root = root / split
     return ImageFolderSource(root, split)
+
+
+def _folders(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
 
 
 def _require_split(split: str | None, what: str) -> str:
@@ -109,7 +132,9 @@ class ImageFolderSource(ImageSource):
     """ImageNet's layout: ``root/<class>/**/<image>``; classes are the sorted folder names.
 
     Every file is identified by its content (a header read, no decode), so extensions do not
-    matter; files that are not images are skipped and counted in a ``SkippedFilesWarning``.
+    matter. A file that is not a readable image is left out and named, with the reason, in a
+    ``SkippedFilesWarning``: here when its header cannot be read, in ``without_unreadable`` when it
+    fails to decode while the dataset is written (truncated data).
     """
 
     kind = "imagefolder"
@@ -119,7 +144,8 @@ class ImageFolderSource(ImageSource):
         if not root.is_dir():
             raise InvalidInputError(f"ImageFolder root {str(root)!r} does not exist or is not a directory")
         self.location, self.split = str(root), split
-        self.classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        self.root = root
+        self.classes = sorted(_folders(root))
         if not self.classes:
             raise InvalidInputError(
                 f"ImageFolder root {str(root)!r} has no class folders; expected {root}/<class name>/<images>"
@@ -128,24 +154,39 @@ class ImageFolderSource(ImageSource):
         with ThreadPoolExecutor(scan_threads) as pool:  # header reads are I/O-bound
             headers = list(tqdm(pool.map(_image_size, (p for _, p in candidates)), total=len(candidates),
                                 desc=f"scanning {root.name}", unit="file", leave=False, disable=len(candidates) < 5000))
-        kept = [(label, path, size) for (label, path), size in zip(candidates, headers) if size is not None]
-        self.skipped = [str(path) for (_, path), size in zip(candidates, headers) if size is None]
-        counts = np.bincount([label for label, _, _ in kept], minlength=len(self.classes))
+        kept = [(label, path, size) for (label, path), size in zip(candidates, headers) if isinstance(size, tuple)]
+        unreadable = {str(path): reason for (_, path), reason in zip(candidates, headers) if isinstance(reason, str)}
+        self.skipped = []
+        self._keep([path for _, path, _ in kept], [label for label, _, _ in kept], [size for _, _, size in kept],
+                   unreadable)
+
+    def _keep(self, paths: list[Path], labels: list[int], sizes: list, unreadable: dict[str, str]) -> None:
+        """Hold these samples, every class still having one; ``unreadable`` (path -> why) is left out, named."""
+        counts = np.bincount(labels, minlength=len(self.classes))
         empty = [name for name, count in zip(self.classes, counts) if count == 0]
         if empty:
             raise InvalidInputError(
-                f"ImageFolder class folder(s) {empty} under {str(root)!r} hold no images; every class needs at "
-                "least one image (remove the empty folders or add their images)"
+                f"ImageFolder class folder(s) {empty} under {str(self.root)!r} hold no readable images; every class "
+                "needs at least one image (remove the empty folders or add their images)"
+                + "".join(f"\n  {path}: {reason}" for path, reason in unreadable.items())
             )
-        self.paths = [path for _, path, _ in kept]
-        self.labels = np.array([label for label, _, _ in kept], dtype=np.int64)
-        self.sizes = np.array([size for _, _, size in kept], dtype=np.int64).reshape(-1, 2)
-        if self.skipped:
-            examples = ", ".join(os.path.relpath(p, root) for p in self.skipped[:3])
+        self.paths = paths
+        self.labels = np.array(labels, dtype=np.int64)
+        self.sizes = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+        self.skipped = [*self.skipped, *unreadable]
+        if unreadable:
             warnings.warn(
-                f"skipped {len(self.skipped)} non-image file(s) under {str(root)!r} (e.g. {examples})",
-                SkippedFilesWarning, stacklevel=2,
+                f"skipped {len(unreadable)} file(s) under {str(self.root)!r} that are not readable images; they are "
+                "left out of the dataset:" + "".join(f"\n  {path}: {reason}" for path, reason in unreadable.items()),
+                SkippedFilesWarning, stacklevel=3,
             )
+
+    def without_unreadable(self, reasons: dict[int, str]) -> ImageFolderSource:
+        kept = [index for index in range(len(self)) if index not in reasons]
+        rest = copy.copy(self)
+        rest._keep([self.paths[i] for i in kept], [int(self.labels[i]) for i in kept], [self.sizes[i] for i in kept],
+                   {str(self.paths[index]): reason for index, reason in reasons.items()})
+        return rest
 
     def load_image(self, index: int) -> np.ndarray:
         with Image.open(self.paths[index]) as image:
@@ -163,14 +204,17 @@ def _files_under(directory: Path) -> list[Path]:
     return found
 
 
-def _image_size(path: Path) -> tuple[int, int] | None:
+def _image_size(path: Path) -> tuple[int, int] | str:
+    """(width, height) from the file's header, or why it is not a readable image."""
     try:
         with Image.open(path) as image:  # reads the header only
             return image.size
     except PermissionError:
         raise InvalidInputError(f"cannot read {str(path)!r}: permission denied") from None
-    except (UnidentifiedImageError, OSError, ValueError):
-        return None
+    except UnidentifiedImageError:
+        return "not an image (no image format recognises its content)"
+    except (OSError, ValueError) as err:
+        return f"unreadable header ({type(err).__name__}: {err})"
 
 
 CIFAR_LAYOUTS = {
@@ -282,3 +326,49 @@ class DigitsSource(ImageSource):
 
     def describe(self, index: int) -> str:
         return f"digits {self.split} sample {index}"
+
+
+class SubsetSource(ImageSource):
+    """Some classes of another source and at most ``per_class`` images of each: a small, or few-shot,
+    dataset from any source (e.g. a transfer task: pre-train on some digits, fine-tune on a few images
+    of the others).
+
+    ``classes`` (the source's class names) are kept in the order given and relabelled 0..k-1; None keeps
+    every class. ``per_class`` takes the first images of each class in the source's order (digits: a
+    fixed stratified shuffle), so the same arguments always give the same images; a class with fewer
+    images keeps them all, with a ``SmallClassWarning``.
+    """
+
+    def __init__(self, source: ImageSource, classes: list[str] | None = None, per_class: int | None = None):
+        chosen = list(classes) if classes else list(source.classes)
+        unknown = [name for name in chosen if name not in source.classes]
+        if unknown:
+            raise InvalidInputError(f"--classes {','.join(unknown)}: not classes of {source.location!r}; its classes: "
+                                    f"{', '.join(source.classes)}")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidInputError(f"--classes {','.join(chosen)} names a class twice")
+        if per_class is not None and per_class < 1:
+            raise InvalidInputError(f"--per-class {per_class}: need at least 1 image of each class")
+        label_of = {source.classes.index(name): new for new, name in enumerate(chosen)}
+        taken = np.zeros(len(chosen), dtype=np.int64)
+        indices = []
+        for index, label in enumerate(source.labels):
+            new = label_of.get(int(label))
+            if new is not None and (per_class is None or taken[new] < per_class):
+                taken[new] += 1
+                indices.append(index)
+        short = [f"{name} ({count})" for name, count in zip(chosen, taken) if per_class and count < per_class]
+        if short:
+            warnings.warn(f"--per-class {per_class}: {', '.join(short)} hold(s) fewer images; all of them are kept",
+                          SmallClassWarning, stacklevel=2)
+        self.inner, self.indices = source, np.array(indices, dtype=np.int64)
+        self.kind, self.location, self.split, self.skipped = source.kind, source.location, source.split, source.skipped
+        self.classes, self.selected_classes, self.per_class = chosen, (chosen if classes else None), per_class
+        self.labels = np.array([label_of[int(source.labels[i])] for i in self.indices], dtype=np.int64)
+        self.sizes = source.sizes[self.indices]
+
+    def load_image(self, index: int) -> np.ndarray:
+        return self.inner.load_image(int(self.indices[index]))
+
+    def describe(self, index: int) -> str:
+        return self.inner.describe(int(self.indices[index]))

@@ -4,6 +4,10 @@ A failed write never leaves a file that looks complete: ffcv writes to a tempora
 the target, which is fsynced and renamed into place only after the result checks out; the
 sidecar, which is what marks a ``.beton`` as finished, is written last.
 
+An image that fails to decode in a writer process (truncated data behind an intact header) is
+handled as a file whose header cannot be read: the source leaves it out, naming it
+(``ImageSource.without_unreadable``), and the samples are written again without it.
+
 ffcv's writer waits for its worker processes without ever checking that they are alive, so one
 crashed worker would hang the write forever. Its waiting loop checks them here (a dead worker is
 an error raised in the writing thread, whichever thread that is), and an image that cannot be
@@ -75,7 +79,10 @@ def write_beton(
     partial = partial_path(out)
     try:
         failed = _write_samples(source, partial, options, workers)
-        if failed:
+        if failed:  # rare: a second pass over the source is cheaper than decoding every image twice
+            source = source.without_unreadable(_failure_reasons(source, failed))
+            failed = _write_samples(source, partial, options, workers)
+        if failed:  # a file that changed between the passes
             raise InvalidInputError(_describe_failures(source, failed))
         contents = read_contents(partial)  # the loader will follow these structures; check them now
         counts = np.bincount(contents.labels, minlength=len(source.classes)).tolist()
@@ -97,7 +104,8 @@ def write_beton(
             ),
             write=options,
             source=SourceInfo(kind=source.kind, location=source.location, split=source.split,
-                              skipped_files=len(source.skipped)),
+                              skipped_files=len(source.skipped), selected_classes=source.selected_classes,
+                              per_class=source.per_class),
             ffcv_version=FFCV_VERSION,
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
@@ -203,18 +211,22 @@ def check_encodable(image) -> None:
         raise ValueError(f"an image must be an HxWx3 uint8 array, got a {described}")
 
 
-def _describe_failures(source: ImageSource, failed: list[int]) -> str:
-    lines = []
-    for index in failed[:5]:
+def _failure_reasons(source: ImageSource, failed: list[int]) -> dict[int, str]:
+    """Why each failed sample failed, found again in this process (a writer process only flags it)."""
+    reasons = {}
+    for index in failed:
         try:
             check_encodable(source[index][0])
-            reason = "failed in a writer process only"
-        except Exception as err:
-            reason = f"{type(err).__name__}: {err}"
-        lines.append(f"  {source.describe(index)}: {reason}")
-    more = f"\n  ... and {len(failed) - 5} more" if len(failed) > 5 else ""
+            reasons[index] = "failed in a writer process only"
+        except Exception as err:  # noqa: BLE001  (whatever decoding raised is the reason)
+            reasons[index] = f"{type(err).__name__}: {err}"
+    return reasons
+
+
+def _describe_failures(source: ImageSource, failed: list[int]) -> str:
     return (f"{len(failed)} image(s) could not be read; nothing was written. Remove or replace them:\n"
-            + "\n".join(lines) + more)
+            + "\n".join(f"  {source.describe(index)}: {reason}" for index, reason in
+                         _failure_reasons(source, failed).items()))
 
 
 class _TrackedProcess(multiprocessing.Process):

@@ -12,6 +12,11 @@ range) is checked in combination with the others:
 - no valid combination at all: the space is an error;
 - a value that is invalid in every combination: an error naming the key and value;
 - otherwise invalid combinations are constraints: pruned and recorded, never started.
+
+Trials that start from trained weights (``model.init_from``, which may name other keys of the
+trial's config in braces: ``models:/xcit_{model.args.qkv}@pretrained``) have each source resolved
+once and fitted to every model it starts (``check_initial_weights``): a source that does not resolve
+or fit is an error naming the trials' knobs.
 """
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ExperimentConfig, validate, with_dotted
-from pipeline.errors import ConfigError
+from pipeline.config import ExperimentConfig, get_dotted, validate, with_dotted
+from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.modeling import model_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
+from pipeline.transfer import fill_template, plan_transfer, shapes_of
 
 MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
 MAX_GRID = 1000  # trials a grid search may expand to
@@ -48,7 +54,11 @@ def resolve_trial(space: SearchSpace, base_tree: dict[str, Any], sampled: dict[s
         derived = space.derived(tree)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return validate(with_dotted(tree, derived)), {**assignment, **derived}
+    tree = with_dotted(tree, derived)
+    source = get_dotted(tree, "model.init_from")
+    if isinstance(source, str) and "{" in source:  # a knob chooses the trial's weights
+        tree = with_dotted(tree, {"model.init_from": fill_template(source, tree)})
+    return validate(tree), {**assignment, **derived}
 
 
 def _knobs_text(knobs: dict[str, Any]) -> str:
@@ -86,6 +96,8 @@ class TrialPlan:
     variants: list[dict[str, Any]]  # each a valid assignment (grid, random); empty for tpe
     pruned: list[dict[str, Any]] = field(default_factory=list)  # {"knobs": ..., "reason": ...}
     checked: int = 0
+    # Every valid candidate seen while planning (not recorded: a resumed sweep was checked when it started).
+    candidates: list[Candidate] = field(default_factory=list, repr=False)
 
 
 def _reservoir(items: Iterable[dict[str, Any]], size: int, rng: random.Random) -> list[dict[str, Any]]:
@@ -136,11 +148,11 @@ def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, nu
         return TrialPlan(
             variants=[r.assignment for r in results if r.problem is None],
             pruned=[{"knobs": r.knobs, "reason": r.problem} for r in results if r.problem],
-            checked=len(checked),
+            checked=len(checked), candidates=_valid([*checked, *results]),
         )
     if searcher == "random":
         rng = random.Random(seed)
-        plan = TrialPlan(variants=[], checked=len(checked))
+        plan = TrialPlan(variants=[], checked=len(checked), candidates=_valid(checked))
         for _ in range(SAMPLE_ATTEMPTS * num_samples):
             if len(plan.variants) == num_samples:
                 break
@@ -149,6 +161,7 @@ def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, nu
                 plan.pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
             else:
                 plan.variants.append(candidate.assignment)
+                plan.candidates.append(candidate)
         if len(plan.variants) < num_samples:
             raise SpaceError(
                 f"random search over {' + '.join(space.sources)} found {len(plan.variants)} valid trials in "
@@ -156,7 +169,39 @@ def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, nu
                 f"most common reason: {_most_common(p['reason'] for p in plan.pruned)}"
             )
         return plan
-    return TrialPlan(variants=[], checked=len(checked))  # tpe: each sample is checked as its trial starts
+    # tpe: each sample is checked as its trial starts
+    return TrialPlan(variants=[], checked=len(checked), candidates=_valid(checked))
+
+
+def _valid(candidates: list[Candidate]) -> list[Candidate]:
+    return [candidate for candidate in candidates if candidate.problem is None]
+
+
+def check_initial_weights(candidates: list[Candidate], num_classes: int, tracking_uri: str) -> dict[str, Any]:
+    """Every trial's ``model.init_from`` resolved once (``pipeline.model_source``) and fitted to each
+    model it starts (``pipeline.transfer``), before any trial runs: SpaceError naming the trials' knobs
+    when one does not resolve or fit. Returns the sources by ``model.init_from``, ``model.init_ema``."""
+    from pipeline.model_source import resolve_model_source
+
+    sources: dict[tuple[str, bool], Any] = {}
+    fitted: set[str] = set()
+    for candidate in candidates:
+        model = candidate.config.model
+        if model.init_from is None:
+            continue
+        key = (model.init_from, model.init_ema)
+        try:
+            if key not in sources:
+                sources[key] = resolve_model_source(model.init_from, storage_path=candidate.config.run.storage_path,
+                                                    tracking_uri=tracking_uri, ema=model.init_ema)
+            fit = json.dumps([*key, model.model_dump(mode="json")], sort_keys=True)
+            if fit not in fitted:
+                source = sources[key]
+                plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, num_classes)
+                fitted.add(fit)
+        except InvalidInputError as err:
+            raise SpaceError(f"trials with {_knobs_text(candidate.knobs)}: {err}") from None
+    return sources
 
 
 def _take(items: Iterator[dict[str, Any]], limit: int) -> list[dict[str, Any]]:

@@ -1,134 +1,55 @@
 """Runs a sweep: everything checked first, trials sized to the cluster, Ray Tune, resume.
 
 ``prepare_sweep`` does all the checking (config, space, every trial's model on the meta device,
-the datasets, the MLflow store, the resources) and writes nothing but a requested offline dataset.
-``run_sweep`` then starts Ray, opens the MLflow parent run, writes the sweep's record and drives
-``tune.Tuner``. ``load_sweep`` + ``run_sweep(resume=True)`` continue an interrupted sweep from its
-record with ``Tuner.restore``: finished trials stay finished, unfinished ones continue their Ray
-Train checkpoint and their MLflow run.
-
-Resources. A trial is its trial function (``tune.trial_cpus``, waiting on ``fit()``) plus its
-``scaling.num_workers`` workers (``cpus_per_worker``, ``gpus_per_worker``), which its
-``TorchTrainer`` requests from Ray itself, outside Tune's accounting. So Tune is capped at the
-number of trials whose function *and* workers fit the cluster; more would start trial functions
-that hold CPUs while their workers wait forever. A local Ray started here advertises at least one
-trial's CPUs, so e.g. 1 trial function + 2 workers still run on a 2-core machine.
+the datasets, every trial's initial weights, the MLflow store) and writes nothing but a requested
+offline dataset. ``run_sweep`` then starts or joins Ray, sizes the trials to it
+(``pipeline.sweeps.resources``: a cluster may grow, and trials wait for its nodes), opens the MLflow
+parent run, writes the sweep's record and the trials' initial weights (one file per source, read by
+every trial that starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` +
+``run_sweep(resume=True)`` continue an interrupted sweep from its record with ``Tuner.restore``:
+finished trials stay finished, unfinished ones continue their Ray Train checkpoint and their MLflow run.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
-import pyarrow.fs
 import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
-from pipeline import uris
+from pipeline import interrupts, uris
 from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
-from pipeline.driver import start_ray
+from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job
-from pipeline.errors import InvalidInputError
+from pipeline.errors import Interrupted, InvalidInputError
+from pipeline.locations import check_can_create, run_directories
 from pipeline.runs import ResolvedData, resolve_data
-from pipeline.sweeps import report
-from pipeline.sweeps.planning import TrialChecker, TrialPlan, plan_trials
-from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, spaces_from_record
+from pipeline.sweeps import importance, plots, report, summary, view
+from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
+from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
-from pipeline.sweeps.spaces import short_keys
-from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, PARENT_TAG, TRIAL_STATES, TrialRecorder,
+from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
+                                       growth_notice, local_ray_cpus, start_timeout_s)
+from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
                                run_origin)
+from pipeline.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
 TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
-
-
-def _filesystem(location: str):
-    return pyarrow.fs.FileSystem.from_uri(location)
-
-
-def write_text(location: str, text: str) -> None:
-    if not uris.is_uri(location):
-        Path(location).parent.mkdir(parents=True, exist_ok=True)
-        Path(location).write_text(text)
-        return
-    fs, path = _filesystem(location)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as stream:
-        stream.write(text.encode())
-
-
-def read_text(location: str) -> str | None:
-    if not uris.is_uri(location):
-        return Path(location).read_text() if Path(location).is_file() else None
-    fs, path = _filesystem(location)
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as stream:
-        return stream.readall().decode()
-
-
-# --------------------------------------------------------------------------------------------------
-# Resources
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrialResources:
-    cpus: float  # trial function + workers
-    gpus: float
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig) -> TrialResources:
-        workers = cfg.scaling.num_workers
-        return cls(cpus=cfg.tune.trial_cpus + workers * cfg.scaling.cpus_per_worker,
-                   gpus=workers * cfg.scaling.gpus_per_worker if cfg.scaling.use_gpu else 0.0)
-
-    def describe(self, cfg: ExperimentConfig) -> str:
-        s = cfg.scaling
-        gpus = f", {_count(self.gpus, 'GPU')}" if self.gpus else ""
-        return (f"{_count(self.cpus, 'CPU')}{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + "
-                f"{_count(s.num_workers, 'worker')} x "
-                f"({s.cpus_per_worker:g} CPU{f', {s.gpus_per_worker:g} GPU' if s.use_gpu else ''})")
-
-
-def _count(number: float, unit: str) -> str:
-    return f"{number:g} {unit}{'' if number == 1 else 's'}"
-
-
-def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float]) -> int:
-    """How many trials run at once: what fits the cluster, or tune.max_concurrent_trials if smaller."""
-    need = TrialResources.of(cfg)
-    fits = math.floor(cluster.get("CPU", 0) / need.cpus + 1e-9)
-    if need.gpus:
-        fits = min(fits, math.floor(cluster.get("GPU", 0) / need.gpus + 1e-9))
-    if fits < 1:
-        raise InvalidInputError(
-            f"one trial needs {need.describe(cfg)}, but the Ray cluster has {cluster.get('CPU', 0):g} CPUs and "
-            f"{cluster.get('GPU', 0):g} GPUs; lower scaling.num_workers / cpus_per_worker or tune.trial_cpus"
-        )
-    wanted = cfg.tune.max_concurrent_trials
-    if wanted and wanted > fits:
-        print(f"vitsweep tune: tune.max_concurrent_trials={wanted} but only {fits} trials fit the cluster now "
-              f"({need.describe(cfg)} each); extra trials wait for the autoscaler", flush=True)
-    return wanted or fits
-
-
-def local_ray_cpus(cfg: ExperimentConfig) -> int:
-    """A local Ray advertises at least one trial's CPUs, so a trial function + its workers run even on 2 cores."""
-    return max(os.cpu_count() or 1, math.ceil(TrialResources.of(cfg).cpus))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,6 +67,9 @@ class Sweep:
     tracking_uri: str
     parent_run_id: str | None = None
     created: float = 0.0
+    # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema); saved
+    # into the sweep directory when it starts (a resumed sweep has them there already).
+    sources: dict[tuple[str, bool], Any] = field(default_factory=dict, repr=False)
 
     @property
     def cfg(self) -> ExperimentConfig:
@@ -185,16 +109,22 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
         raise SpaceError("tune.searcher=tpe needs at least one knob with more than one value")
 
 
+def base_config(config: str | None, overrides: list[str], space: SearchSpace) -> ExperimentConfig:
+    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``."""
+    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
+    return validate(apply_overrides(tree, list(overrides)))
+
+
 def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str]) -> Sweep:
     """Check everything a sweep needs; nothing is started and nothing written (but a requested dataset)."""
     space = load_spaces(space_refs)
-    tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
-    cfg = validate(apply_overrides(tree, list(overrides)))
+    cfg = base_config(config, overrides, space)
     _check_settings(cfg, space)
 
     # Trials run in their own working directories: every local path becomes absolute here.
     created = time.time()
     check_paths_outlive_job(cfg)
+    check_can_create(run_directories(cfg, sweep=True))
     cfg = cfg.with_absolute_paths()
     name = cfg.tune.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(created))}"
     root = cfg.tune.storage_path or cfg.run.storage_path
@@ -210,23 +140,25 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     base_tree = cfg.model_dump(mode="json")
 
     sweep_dir = uris.join(root, name)
-    if read_text(uris.join(sweep_dir, RECORD_NAME)) is not None:
+    if uris.read_bytes(uris.join(sweep_dir, RECORD_NAME)) is not None:
         raise InvalidInputError(f"sweep {name!r} already exists in {sweep_dir}; continue it with "
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
     data = resolve_data(cfg)
-    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created)
+    sources = check_initial_weights(plan.candidates, data.num_classes, tracking_uri)
+    return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created, sources=sources)
 
 
 def load_sweep(sweep_dir: str) -> Sweep:
     """An interrupted sweep, from its record (``--resume``)."""
-    text = read_text(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
+    text = uris.read_bytes(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
     if text is None:
         raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
                                 "that `vitsweep tune` printed when it started")
-    record = json.loads(text)
+    record = json.loads(text.decode())
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
     cfg = validate(record["base_config"])
+    check_can_create(run_directories(cfg, sweep=True))
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
     plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
     return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
@@ -254,7 +186,7 @@ def _trainable(sweep: Sweep):
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
                      cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR),
-                     source=command_line())
+                     source=command_line(), init_sources=uris.join(sweep.directory, SWEEP_SOURCES))
     return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
 
 
@@ -268,6 +200,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
     else:  # grid and random trials were fixed (and checked) up front
         param_space = {"knobs": tune.grid_search(sweep.plan.variants)}
         search_alg, num_samples = None, 1
+    growth = ClusterGrowthDeadline(start_timeout_s(), TrialResources.of(cfg).describe(cfg))
     return tune.Tuner(
         _trainable(sweep),
         param_space=param_space,
@@ -281,7 +214,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
                                      cfg.optim.epochs, cfg.tune.scheduler),
-                       SweepTable(cfg.tune.metric, cfg.optim.epochs)],
+                       SweepTable(cfg.tune.metric, cfg.optim.epochs), growth],
         ),
     )
 
@@ -297,6 +230,7 @@ class SweepOutcome:
     interrupted: bool
     table: str
     best: report.TrialRow | None
+    knob_importance: importance.KnobImportance
 
 
 def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
@@ -319,8 +253,15 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
-    max_concurrent = concurrent_trials(cfg, ray.cluster_resources())
+    try:
+        start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
+    except Interrupted:
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)  # the local Ray started meanwhile goes with the command
+        raise
+    local = ray_address(address) == "local"
+    cluster, ceiling = ray.cluster_resources(), None if local else autoscaler_ceiling()
+    max_concurrent = concurrent_trials(cfg, cluster, local, ceiling)
 
     parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
     sweep.parent_run_id = parent.run_id
@@ -328,18 +269,23 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     if not uris.is_uri(sweep.directory):
         console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
     if not resume:
-        write_text(sweep.record_path, sweep.record())
+        uris.write_bytes(sweep.record_path, sweep.record().encode())
+        for (init_from, init_ema), source in sweep.sources.items():
+            save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
         parent.log_params(_sweep_params(sweep, max_concurrent))
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
                           RECORD_NAME: sweep.record()})
-        save_sweep_view(sweep, parent)
+        save_sweep_view(sweep, parent, _sweep_params(sweep, max_concurrent)["trials_planned"])
     console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
                  f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
                  f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
                  + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
                  + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}"
                  + (f"\n  library output in {console.log_path}" if console.log_path else ""))
+    notice = None if local else growth_notice(cfg, cluster, max_concurrent, ceiling is not None)
+    if notice:
+        console.line(notice)
 
     if resume and tune.Tuner.can_restore(sweep.directory):
         tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep), resume_unfinished=True,
@@ -382,24 +328,34 @@ def describe_sweep(sweep: Sweep) -> str:
             f"{cfg.model.name}, {cfg.optim.epochs} epochs each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
 
 
+def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance) -> str:
+    """The parent run's description once the sweep ends: what it was, its best trial, which knob mattered."""
+    metric = sweep.cfg.tune.metric
+    if best is None:
+        outcome = "No trial trained every epoch."
+    else:
+        knobs = ", ".join(f"{name}={report.cell(best.knobs[key])}" for key, name in short_keys(best.knobs).items())
+        outcome = f"Best: trial `{best.trial_id}`, {metric} **{report.cell(best.value(metric))}** ({knobs})."
+    lines = importance.format_importance(found, bars=False).splitlines()
+    return (f"{describe_sweep(sweep)}\n\n{outcome}\n\n{lines[0]}\n\n" + "".join(f"- {line.strip()}\n" for line in lines[1:])
+            + f"\nThe whole result on one page: Artifacts, `{summary.SUMMARY_NAME}`.")
+
+
 def view_key(sweep: Sweep) -> str:
     return f"vitsweep-{sweep.name}"
 
 
-def save_sweep_view(sweep: Sweep, parent: MlflowRun) -> None:
-    """The runs table as a researcher wants it for this sweep: its trials, a column per knob, the metrics."""
+def save_sweep_view(sweep: Sweep, parent: MlflowRun, trials: int) -> None:
+    """The runs page as a researcher wants it for this sweep: its trials, a column per knob, the
+    metrics, and the chart view's knob and per-epoch charts (``view``)."""
     cfg = sweep.cfg
-    knobs = short_keys([*sweep.space.keys, *(k for rule in sweep.space.derive for k in rule.keys)]).values()
-    metrics = [cfg.tune.metric, *(m for m in report.REPORTED if m != cfg.tune.metric), "epochs_trained"]
-    columns = [*(f"params.`{knob}`" for knob in knobs), *(f"metrics.`{m}`" for m in metrics), "tags.`stop_reason`",
-               "attributes.`User`"]
-    MlflowStore(parent.uri).save_view(
-        parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", columns,
-        order_by=f"metrics.`{cfg.tune.metric}`", search_filter=f"tags.`{PARENT_TAG}` = '{parent.run_id}'")
+    state = view.sweep_view(sweep.space, cfg.tune.metric, cfg.tune.mode, parent.run_id, trials)
+    MlflowStore(parent.uri).save_view(parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", state)
 
 
 def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
-    """Record the outcome on the parent run: best trial, results.csv, pruned.csv, plots."""
+    """Record the outcome on the parent run: best trial, knob importances, results.csv, pruned.csv,
+    plots, and all of it on one page (summary.html); the description says the result."""
     cfg = sweep.cfg
     metric, mode = cfg.tune.metric, cfg.tune.mode
     # Tune answers Ctrl-C by returning early: a trial whose run is still open did not end.
@@ -410,6 +366,7 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     rows = report.sweep_rows(parent, metric)
     all_rows = rows + report.pruned_rows(pruned)
     best = report.best_row(rows, metric, mode)
+    found = importance.knob_importance(rows, metric, sweep.space.dims, cfg.tune.searcher)
 
     files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
     if pruned:
@@ -418,12 +375,21 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
         discrete_keys = {d.key for d in sweep.space.dims if d.kind in ("values", "randint")}
-        for path in report.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys):
+        written = plots.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys)
+        bars = plots.importance_figure(found)
+        bars_path = plots.save(bars, Path(directory) / f"{metric}_importance.png") if bars else None
+        for path in [*written, *([bars_path] if bars_path else [])]:
             parent.log_artifact(path, "plots")
+        state = "interrupted" if interrupted else "finished"
+        parent.log_texts({summary.SUMMARY_NAME: summary.summary_html(
+            sweep.name, state, describe_sweep(sweep), all_rows, metric, mode, best, found, bars_path, written)})
+    if found.assessed:
+        names = short_keys(found.importances)
+        parent.log_metrics({f"importance/{names[key]}": share for key, share in found.importances.items()})
     # Counters are tags: as metrics the UI would chart each as a one-bar plot ahead of the metric.
     counts = {f"trials_{state}": str(sum(r.state == state for r in all_rows)) for state in TRIAL_STATES}
     counts.update(trials_total=str(len(all_rows)), trial_epochs=str(sum(r.epochs for r in rows)))
-    parent.set_tags(counts)
+    parent.set_tags({**counts, "mlflow.note.content": describe_result(sweep, best, found)})
     if best:
         parent.log_metrics({f"best_{metric}": best.value(metric)})
         parent.set_tags({"best_trial_id": best.trial_id, "best_run_id": best.run_id, "best_knobs": json.dumps(best.knobs)})
@@ -432,4 +398,4 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     if report.has_seeds(rows):
         table = f"per configuration, over seeds:\n{report.format_seed_table(rows, metric, mode)}\n\nper trial:\n{table}"
     return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.get().info.experiment_id, parent.run_id,
-                        view_key(sweep), interrupted, table, best)
+                        view_key(sweep), interrupted, table, best, found)

@@ -35,7 +35,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from pipeline.config import describe_error, get_dotted, read_utf8, schema_problem, with_dotted, yaml_number
+from pipeline.config import (describe_error, get_dotted, load_yaml, location_problem, read_utf8, schema_problem,
+                             with_dotted, yaml_number)
 from pipeline.errors import InvalidInputError
 
 SPACE_DIR = Path(__file__).resolve().parents[2] / "tune_spaces"
@@ -447,6 +448,9 @@ def space_path(ref: str) -> Path:
     """A shipped space's name (``fsne_code_size``) or a path to a YAML file."""
     path = Path(ref)
     if path.suffix in (".yaml", ".yml"):
+        problem = location_problem(path, kind="file")
+        if problem:
+            raise SpaceError(f"search space file: {problem}")
         if not path.is_file():
             raise SpaceError(f"search space file {ref!r} does not exist (shipped spaces: {', '.join(available_spaces())})")
         return path
@@ -460,7 +464,7 @@ def space_path(ref: str) -> Path:
 
 def parse_space(text: str, name: str, where: str) -> SearchSpace:
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = load_yaml(text) or {}
     except yaml.YAMLError as err:
         raise SpaceError(f"{where} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):

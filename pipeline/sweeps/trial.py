@@ -20,12 +20,13 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.metrics import DIVERGED_KEY
 from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, open_child_run
+from pipeline.transfer import saved_initial_weights, sweep_source_location
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class SweepPlan:
     parent_run_id: str
     trial_storage: str  # where each trial's Ray Train run lives (local path or URI), one dir per trial id
     source: str = "vitsweep tune"  # the sweep's command line (MLflow's Source of each trial)
+    init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.transfer)
 
 
 class SweepReportCallback(TuneReportCallback):
@@ -80,10 +82,13 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
         return
     try:
         facts = ModelFacts.measure(cfg.model, plan.data.num_classes)  # built and run once on the meta device
-    except ConfigError:
+        init = (saved_initial_weights(sweep_source_location(plan.init_sources, cfg.model.init_from,
+                                                            cfg.model.init_ema), cfg.model, plan.data.num_classes)
+                if cfg.model.init_from else None)
+    except InvalidInputError:
         return
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": trial_id})})
-    run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri)
+    run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri, init)
 
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
     tracking = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,

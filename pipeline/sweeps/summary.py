@@ -1,0 +1,74 @@
+"""The sweep's result on one page: ``summary.html`` on the parent run.
+
+MLflow 3.17's artifact viewer renders an ``.html`` artifact inline (a sandboxed frame of the file
+alone, so the plots are embedded as data URIs, not linked): the best configuration, which knob
+mattered, the configurations over seeds, every trial, and the plots, for whoever is handed the link.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import re
+from pathlib import Path
+
+from pipeline.sweeps.importance import KnobImportance, format_importance
+from pipeline.sweeps.report import REPORTED, TrialRow, cell, has_seeds, seed_table, table
+from pipeline.sweeps.spaces import short_keys
+
+SUMMARY_NAME = "summary.html"
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #1f2328; }
+h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #d0d7de; }
+table { border-collapse: collapse; font-size: 13px; } td, th { border: 1px solid #d0d7de; padding: 3px 8px; }
+th { background: #f6f8fa; text-align: left; } td { font-variant-numeric: tabular-nums; }
+pre { background: #f6f8fa; padding: 8px; font-size: 13px; } img { max-width: 100%; margin: 8px 0; }
+figure { margin: 0 0 16px 0; } figcaption { font-size: 12px; color: #59636e; }
+"""
+
+
+def _markdown_inline(text: str) -> str:
+    """The run description's **bold** and `code` (all it uses), as HTML."""
+    escaped = html.escape(text)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", escaped))
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    lines = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in line) + "</tr>" for line in body)
+    return f"<table><tr>{head}</tr>{lines}</table>"
+
+
+def _image(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return (f'<figure><img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(path.name)}</figcaption></figure>")
+
+
+def _best(best: TrialRow | None, metric: str) -> str:
+    if best is None:
+        return "<p>No trial trained every epoch (see the reasons in the table below).</p>"
+    names = short_keys(best.knobs)
+    knobs = [[names[key], cell(value)] for key, value in best.knobs.items()]
+    metrics = [[m, cell(best.value(m))] for m in (metric, *(m for m in REPORTED if m != metric))]
+    return (f"<p>Trial <b>{html.escape(best.trial_id)}</b> (MLflow run <code>{html.escape(best.run_id)}</code>): "
+            f"{html.escape(metric)} <b>{cell(best.value(metric))}</b> after {best.epochs} epochs.</p>"
+            + _table(["knob", "value"], knobs) + "<br>" + _table(["metric (last epoch)", "value"], metrics))
+
+
+def summary_html(name: str, state: str, description: str, rows: list[TrialRow], metric: str, mode: str,
+                 best: TrialRow | None, found: KnobImportance, importance_plot: Path | None,
+                 plots: list[Path]) -> str:
+    """The page: ``rows`` are every trial and pruned sample, ``plots`` the sweep's figures."""
+    trials = [r for r in rows if r.run_id]
+    parts = [f"<h1>Sweep {html.escape(name)} ({html.escape(state)})</h1>", f"<p>{_markdown_inline(description)}</p>",
+             "<h2>Best configuration</h2>", _best(best, metric),
+             "<h2>Which knob mattered</h2>", f"<pre>{html.escape(format_importance(found))}</pre>"]
+    if importance_plot is not None:
+        parts.append(_image(importance_plot))
+    if has_seeds(trials):
+        parts += ["<h2>Each configuration over its seeds (completed trials)</h2>", _table(*seed_table(trials, metric, mode))]
+    parts += [f"<h2>Trials, best first ({len(trials)} trials, {len(rows) - len(trials)} pruned)</h2>",
+              _table(*table(rows, metric, mode)), "<h2>Plots</h2>", *(_image(path) for path in plots)]
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep {html.escape(name)}</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")

@@ -1,0 +1,84 @@
+"""The sweep's saved view in MLflow 3.17's UI: what its printed link opens, table and charts.
+
+The UI keeps a saved view as an experiment tag (``pipeline.tracking.MlflowStore.save_view``) whose
+state holds the runs page's search facets (filter, order) and UI state (``ExperimentPageUIState``
+in MLflow's ``experiment-page/models``): the table's columns and, for the chart view, the chart
+cards (``compareRunCharts``: ``RunsChartsCardConfig`` objects of ``runs-charts.types.ts``, one
+section each) and their sections (``compareRunSections``). A view holding charts opens with them
+instead of the UI's generated ones; the UI then only adds cards for metrics no card shows yet, in
+the sections named after them ("Model metrics"; a trial's system metrics are ``system/node<rank>/...``,
+so "system/node0"), appended below ours (``isAccordionReordered``: the order given here is kept).
+
+The sweep's charts, the first thing its chart view shows:
+- "<metric> across the knobs": a parallel-coordinates chart, the page's width, of every knob that
+  applies to every trial into the metric (a line per trial, coloured by the metric);
+- "<metric> against each knob": a scatter per knob (Plotly makes a numeric knob's axis numeric and a
+  choice of names one category per value);
+- "per epoch": the metric and the training loss per epoch, a line per trial;
+- the UI's own "Model metrics" (the other metrics), then the system metrics (CPU, memory, GPU) below.
+The run seed is a repeat, not a knob: it gets a table column but no chart.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
+from pipeline.sweeps.report import REPORTED, SEED_KEY
+from pipeline.sweeps.spaces import SearchSpace, short_keys
+from pipeline.sweeps.tracking import PARENT_TAG
+
+MODEL_METRICS = "Model metrics"  # the UI's own section of the metrics without a "section/" prefix
+TRAIN_LOSS = "train_loss"
+
+
+def param_names(space: SearchSpace) -> dict[str, str]:
+    """Each searched and derived key's param in a trial's run (its short name, ``trial.knob_params``)."""
+    return short_keys([*space.keys, *(key for rule in space.derive for key in rule.keys)])
+
+
+def _card(kind: str, uuid: str, section: str, trials: int, **config: Any) -> dict[str, Any]:
+    """One chart card as the UI serialises it (``RunsChartsCardConfig`` and its subclass's fields)."""
+    return {"uuid": uuid, "type": kind, "runsCountToCompare": trials, "metricSectionId": section, "deleted": False,
+            "isGenerated": False, **config}
+
+
+def _line(uuid: str, section: str, trials: int, metric: str) -> dict[str, Any]:
+    return _card("LINE", uuid, section, trials, metricKey=metric, lineSmoothness=0, xAxisScaleType="linear",
+                 scaleType="linear", xAxisKey="step", selectedXAxisMetricKey="", yAxisKey="metric",
+                 yAxisExpressions=[], ignoreOutliers=False, useGlobalXaxisKey=False, useGlobalLineSmoothing=True)
+
+
+def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
+    """The chart view's part of the UI state: cards, sections, and every trial shown in them."""
+    params = param_names(space)
+    knobs = [dim for dim in space.dims if dim.key != SEED_KEY]
+    everywhere = [dim for dim in knobs if not dim.when] or knobs  # a line needs a value on every axis
+    across, against, per_epoch = "vitsweep-across-knobs", "vitsweep-against-each-knob", "vitsweep-per-epoch"
+    cards = [_card("PARALLEL", "vitsweep-parallel", across, trials, selectedParams=[params[d.key] for d in everywhere],
+                   selectedMetrics=[metric], showAllRuns=True)]
+    cards += [_card("SCATTER", f"vitsweep-scatter-{params[dim.key]}", against, trials,
+                    xaxis={"key": params[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
+              for dim in knobs]
+    cards += [_line(f"vitsweep-line-{name}", per_epoch, trials, name) for name in dict.fromkeys([metric, TRAIN_LOSS])]
+    # (uuid, name, cards per row): the parallel chart gets the whole width, one axis per knob
+    sections = [(across, f"{metric} across the knobs", 1), (against, f"{metric} against each knob", 3),
+                (per_epoch, "per epoch", 2), ("vitsweep-model-metrics", MODEL_METRICS, 3)]
+    return {
+        "compareRunCharts": cards,
+        "compareRunSections": [{"uuid": uuid, "name": name, "display": True, "isReordered": False, "deleted": False,
+                                "isGenerated": False, "columns": columns} for uuid, name, columns in sections],
+        "isAccordionReordered": True,  # keep these sections in this order; the UI adds system metrics' below
+        "runsHiddenMode": "SHOW_ALL",  # the UI charts only its first 10 runs otherwise
+    }
+
+
+def sweep_view(space: SearchSpace, metric: str, mode: str, parent_run_id: str, trials: int) -> dict[str, Any]:
+    """The whole saved view: the trials (children of the sweep's parent run), best first, a column per
+    knob and metric, and the chart view above."""
+    metrics = [metric, *(m for m in REPORTED if m != metric), "epochs_trained"]
+    rates = [EFFECTIVE_LR_PARAM] if set(space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
+    columns = [*(f"params.`{name}`" for name in [*param_names(space).values(), *rates]),
+               *(f"metrics.`{m}`" for m in metrics),
+               "tags.`stop_reason`", "attributes.`User`"]
+    return {"searchFilter": f"tags.`{PARENT_TAG}` = '{parent_run_id}'", "orderByKey": f"metrics.`{metric}`",
+            "orderByAsc": mode == "min", "selectedColumns": columns, **chart_state(space, metric, trials)}

@@ -1,0 +1,86 @@
+"""A resumed run continues exactly where its checkpoint was taken: a real one-process DeepSpeed engine
+trains a step, saves, trains another, and loads the checkpoint back; model, optimizer (moments and
+fp32 master weights), scheduler, EMA and every RNG must then be as they were at the save."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.checkpointing import load_checkpoint, model_identity, save_checkpoint, use_weights_only_loading
+from pipeline.config import load_config
+
+
+@pytest.fixture(scope="module")
+def trainer(single_process_group):
+    """A ZeRO-1 engine of a one-block smoke model with its scheduler (warming up) and an EMA."""
+    import deepspeed
+
+    from pipeline.engine import deepspeed_config
+    from pipeline.modeling import build_model
+    from pipeline.lr_scaling import effective_lr
+    from pipeline.optim import build_ema, build_optimizer, build_scheduler
+
+    cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1", "optim.ema_decay=0.5",
+                                "optim.epochs=2", "optim.schedule.warmup_epochs=1"])
+    model = build_model(cfg.model, num_classes=10)
+    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, 1))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, steps_per_epoch=4),
+        config=deepspeed_config(cfg, 1), dist_init_required=False,
+    )
+    use_weights_only_loading(engine)
+    return engine, build_ema(engine.module, cfg.optim), model_identity(cfg.model, 10)
+
+
+def _train_step(engine, ema) -> None:
+    images, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))  # draws from the global RNG
+    engine.backward(F.cross_entropy(engine(images), labels))
+    engine.step()
+    ema.update(engine.module, step=engine.global_steps)
+
+
+def _state(engine, ema) -> dict:
+    """Everything a resumed step depends on, copied."""
+    base = engine.optimizer.optimizer  # torch's AdamW over ZeRO's fp32 partitions
+    return {
+        "model": {k: v.clone() for k, v in engine.module.state_dict().items()},
+        "moments": [t.clone() for s in base.state.values() for k, t in sorted(s.items()) if torch.is_tensor(t)],
+        "fp32_master": [t.clone() for t in engine.optimizer.single_partition_of_fp32_groups],
+        "scheduler": engine.lr_scheduler.state_dict()["last_epoch"],
+        "lr": engine.get_lr()[0],
+        "global_steps": engine.global_steps,
+        "ema": {k: v.clone() for k, v in ema.module.state_dict().items()},
+    }
+
+
+def _draws() -> tuple:
+    """The next numbers of every RNG a training step uses."""
+    return torch.rand(4).tolist(), random.random(), np.random.rand(2).tolist()
+
+
+def _differences(before: dict, after: dict) -> list[str]:
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        return a == b
+
+    return [key for key in before if not same(before[key], after[key])]
+
+
+def test_loading_a_checkpoint_restores_model_optimizer_scheduler_ema_and_rng(trainer, tmp_path):
+    engine, ema, identity = trainer
+    _train_step(engine, ema)  # optimizer moments, a scheduler step and an EMA average exist
+    save_checkpoint(engine, tmp_path, epoch=3, identity=identity, rank=0, ema=ema)
+    at_save, draws_at_save = _state(engine, ema), _draws()
+
+    _train_step(engine, ema)  # moves every part of the state, and the RNGs
+    assert _differences(at_save, _state(engine, ema)) == list(at_save)  # each part really moved
+    assert _draws() != draws_at_save
+
+    assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == 4
+    assert _differences(at_save, _state(engine, ema)) == []
+    assert _draws() == draws_at_save

@@ -1,0 +1,92 @@
+"""README's "Fine-tuning" commands end to end (``conftest.readme_finetuning``, the store the MLflow UI check
+browses too): a pre-training run, then a sweep whose trials start from it. Each trial first evaluates the
+weights it loaded, before any step, at the source's own accuracy; it records where they came from and
+takes the source's logged model as its input; the sweep saved the source once for all its trials; in
+MLflow's UI a fine-tuned trial's page leads to the model it started from, and that model's page to the run
+that trained it."""
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import mlflow_server
+from pipeline.tracking import ui_link
+from pipeline.transfer import PLAN_ARTIFACT, SWEEP_SOURCES
+
+pytestmark = pytest.mark.slow
+
+PRETRAINED = "digits16"
+
+
+@pytest.fixture(scope="module")
+def runs(readme_finetuning):
+    storage, _ = readme_finetuning
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("vitsweep").experiment_id
+    found = client.search_runs([experiment])
+    [source] = [run for run in found if run.info.run_name == PRETRAINED]
+    [sweep] = [run for run in found if run.data.tags.get("vitsweep.role") == "sweep"]
+    trials = [run for run in found if run.data.tags.get("vitsweep.role") == "trial"]
+    assert len(trials) == 2 and all(run.info.status == "FINISHED" for run in [source, *trials])
+    return client, source, sweep, trials
+
+
+def test_each_trial_first_evaluates_the_weights_it_loaded_at_the_source_runs_final_accuracy(runs):
+    client, source, _, trials = runs
+    for trial in trials:
+        [initial] = client.get_metric_history(trial.info.run_id, "initial_val_top1")
+        assert initial.step == 0 and initial.value == source.data.metrics["val_top1"]  # same data, resolution
+        [loss] = client.get_metric_history(trial.info.run_id, "initial_val_loss")
+        assert loss.value == pytest.approx(source.data.metrics["val_loss"], rel=1e-5)
+        assert [m.step for m in client.get_metric_history(trial.info.run_id, "val_top1")] == [1]
+
+
+def test_each_trial_records_its_source_and_takes_the_source_model_as_its_input(runs):
+    client, source, _, trials = runs
+    [source_model] = source.outputs.model_outputs
+    for trial in trials:
+        tags = trial.data.tags
+        assert (tags["init.source"], tags["init.kind"], tags["init.run_id"], tags["init.model_id"]) == (
+            PRETRAINED, "run_name", source.info.run_id, source_model.model_id)
+        assert tags["init.summary"].startswith(f"{PRETRAINED} (run {source.info.run_id}): ")
+        inputs = client.get_run(trial.info.run_id).inputs.model_inputs  # search_runs leaves them out (3.17)
+        assert [model.model_id for model in inputs] == [source_model.model_id]
+        assert trial.data.params["model.init_from"] == PRETRAINED
+        with open(client.download_artifacts(trial.info.run_id, PLAN_ARTIFACT)) as handle:
+            plan = json.load(handle)
+        assert not plan["reset"] and not plan["resampled"] and len(plan["loaded"]) == int(tags["init.loaded"]) > 100
+        assert f"Starts from `{PRETRAINED} (run {source.info.run_id})" in tags["mlflow.note.content"]
+
+
+def test_the_sweep_saved_its_source_once_for_every_trial_that_starts_from_it(readme_finetuning, runs):
+    storage, (_, sweep_output) = readme_finetuning
+    _, _, sweep, _ = runs
+    saved = list((storage / sweep.info.run_name / SWEEP_SOURCES).iterdir())
+    assert len(saved) == 1 and saved[0].suffix == ".safetensors"
+    assert "sweep " + sweep.info.run_name in sweep_output.stdout and "2 trials (random" in sweep_output.stdout
+
+
+@pytest.fixture(scope="module")
+def server(readme_finetuning) -> str:
+    """`mlflow server` on a free loopback port over the README's fine-tuning store."""
+    storage, _ = readme_finetuning
+    with mlflow_server(storage / "mlflow-server.log", "--backend-store-uri", f"sqlite:///{storage / 'mlflow.db'}") as uri:
+        yield uri
+
+
+LINKS_TO_JS = "return [...document.querySelectorAll('a[href]')].map(a => a.href).filter(h => h.includes(arguments[0]))"
+
+
+def test_a_fine_tuned_trials_page_leads_to_the_model_it_started_from_and_on_to_the_run_that_trained_it(
+        server, runs, browser, screenshots):
+    _, source, _, trials = runs
+    [source_model] = source.outputs.model_outputs
+    trial = min(trials, key=lambda run: run.info.run_name)
+    browser.open(ui_link(server, source.info.experiment_id, run_id=trial.info.run_id))
+    browser.wait_for_text(trial.info.run_name, "Logged models")
+    browser.screenshot(screenshots / "finetuned_run.png")
+    [to_model, *_] = browser.script(LINKS_TO_JS, f"/models/{source_model.model_id}")  # the run's input, linked
+    browser.open(to_model)
+    browser.wait_for_text(source_model.model_id, "Source run", PRETRAINED)
+    browser.screenshot(screenshots / "source_model.png")
+    assert browser.script(LINKS_TO_JS, f"/runs/{source.info.run_id}")  # the model's page links its training run

@@ -1,0 +1,78 @@
+"""The sweep's saved view: the runs table and the chart view's cards, as MLflow 3.17's UI reads them
+(the browser check, tests/test_mlflow_ui.py, shows them drawn)."""
+import json
+
+import pytest
+from mlflow.utils.validation import MAX_EXPERIMENT_TAG_VAL_LENGTH
+
+from pipeline.sweeps.spaces import available_spaces, load_space, load_spaces
+from pipeline.sweeps.view import MODEL_METRICS, sweep_view
+
+
+def _cards(state: dict, kind: str) -> list[dict]:
+    return [card for card in state["compareRunCharts"] if card["type"] == kind]
+
+
+def _section(state: dict, card: dict) -> str:
+    return {s["uuid"]: s["name"] for s in state["compareRunSections"]}[card["metricSectionId"]]
+
+
+def test_the_parallel_coordinates_chart_runs_from_every_knob_into_the_metric():
+    state = sweep_view(load_space("fsne_code_size"), "val_top1", "max", "parent", trials=8)
+    (parallel,) = _cards(state, "PARALLEL")
+    assert parallel["selectedParams"] == ["code_size", "match_baseline_params"] and parallel["selectedMetrics"] == ["val_top1"]
+    assert parallel["showAllRuns"] and parallel["runsCountToCompare"] == 8
+    assert _section(state, parallel) == "val_top1 across the knobs"
+    assert state["compareRunSections"][0]["columns"] == 1  # the page's width: one axis per knob
+
+
+def test_the_metric_is_plotted_against_each_knob():
+    state = sweep_view(load_space("fsne_code_size"), "val_loss", "min", "parent", trials=8)
+    scatters = _cards(state, "SCATTER")
+    assert [(c["xaxis"], c["yaxis"]) for c in scatters] == [
+        ({"key": knob, "type": "PARAM"}, {"key": "val_loss", "type": "METRIC"}) for knob in ("code_size", "match_baseline_params")]
+    assert {_section(state, card) for card in scatters} == {"val_loss against each knob"}
+
+
+def test_the_metric_and_the_training_loss_per_epoch_come_next_then_the_uis_own_section():
+    state = sweep_view(load_space("lr_wd"), "val_top1", "max", "parent", trials=10)
+    lines = _cards(state, "LINE")
+    assert [(c["metricKey"], c["xAxisKey"]) for c in lines] == [("val_top1", "step"), ("train_loss", "step")]
+    assert {_section(state, card) for card in lines} == {"per epoch"}
+    # the UI appends the trials' system metrics (system/node0/...) in their own section below these
+    assert [s["name"] for s in state["compareRunSections"]] == [
+        "val_top1 across the knobs", "val_top1 against each knob", "per epoch", MODEL_METRICS]
+    assert state["isAccordionReordered"] and state["runsHiddenMode"] == "SHOW_ALL"
+
+
+def test_a_knob_that_applies_to_some_trials_gets_a_scatter_but_no_parallel_axis():
+    # a trial without a knob's value would be left out of the parallel chart (MLflow drops incomplete runs)
+    state = sweep_view(load_space("eit_channel_ratio"), "val_top1", "max", "parent", trials=7)
+    (parallel,) = _cards(state, "PARALLEL")
+    assert parallel["selectedParams"] == ["channel_schedule"]
+    assert [c["xaxis"]["key"] for c in _cards(state, "SCATTER")] == [
+        "channel_schedule", "mha_ratio_range.0", "mha_ratio_range.1"]
+
+
+def test_the_seed_is_a_table_column_but_no_chart():
+    state = sweep_view(load_space("eit_vs_vit_digits"), "val_top1", "max", "parent", trials=10)
+    assert "params.`seed`" in state["selectedColumns"]
+    assert _cards(state, "PARALLEL")[0]["selectedParams"] == ["name"]
+    assert [c["xaxis"]["key"] for c in _cards(state, "SCATTER")] == ["name"]
+
+
+def test_the_table_shows_the_sweeps_trials_best_first():
+    state = sweep_view(load_space("lr_wd"), "val_loss", "min", "abc123", trials=10)
+    assert state["searchFilter"] == "tags.`mlflow.parentRunId` = 'abc123'"
+    assert state["orderByKey"] == "metrics.`val_loss`" and state["orderByAsc"]  # a loss: lowest first
+    # lr_wd searches the per-batch rate: the rate each trial trained at follows the knobs
+    assert state["selectedColumns"][:4] == ["params.`lr_per_512`", "params.`weight_decay`", "params.`optim.lr_effective`",
+                                            "metrics.`val_loss`"]
+
+
+@pytest.mark.parametrize("space", available_spaces())
+def test_every_shipped_space_with_lr_and_weight_decay_fits_mlflows_experiment_tag(space):
+    names = [space] if space == "lr_wd" else [space, "lr_wd"]
+    state = sweep_view(load_spaces(names), "val_top1", "max", "0" * 32, trials=100)
+    envelope = json.dumps({"name": "sweep x", "createdAt": 0, "updatedAt": 0, "state": json.dumps(state)})
+    assert len(envelope) < MAX_EXPERIMENT_TAG_VAL_LENGTH

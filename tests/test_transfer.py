@@ -1,0 +1,418 @@
+"""Starting from trained weights: for every family, the classifier starts fresh on a new class count and
+a learned position embedding is resampled to a new token grid as timm does; anything else that does not
+fit is refused naming it; layer-wise lr decay follows depth; a frozen backbone stays as loaded; the
+weights load the same under every ZeRO stage and precision.
+
+Sources here are models built and saved in the test (a ``ModelSource`` as the resolver returns it); every
+source form the resolver reads is started from in ``test_model_source.py``.
+"""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed
+
+from pipeline.config import ModelConfig, OptimConfig, load_config
+from pipeline.errors import ConfigError, InvalidInputError
+from pipeline.model_card import ModelCard
+from pipeline.model_source import ModelSource, Provenance
+from pipeline.modeling import build_model
+from pipeline.optim import build_optimizer, build_scheduler
+from pipeline.transfer import (InitialWeights, fill_template, freeze_backbone, load_initial_weights, plan_transfer,
+                               read_saved_source, resolve_initial_weights, save_source, saved_source_header, shapes_of,
+                               train_head_only)
+
+# One small member of each family: (model name, args, its img_size, the weights its classifier has).
+FAMILIES = {
+    "xcit": ("xcit_nano_12_p8", {"depth": 2}, 16, {"head.weight", "head.bias"}),
+    "vit": ("vit_mini_p4", {"depth": 2, "embed_dim": 40, "num_heads": 4}, 16, {"head.weight", "head.bias"}),
+    "armour": ("armour_tiny", {"depth": 2}, 32, {"head.weight", "head.bias"}),
+    "eit": ("eit3_1_4_mini", {"depth": 2, "embed_dim": 40, "num_heads": 4}, 16, {"head.weight", "head.bias"}),
+    "sot": ("sot_7layer", {"depth": 2}, 32,
+            {"head.cls_fc.weight", "head.cls_fc.bias", "head.word_fc.weight", "head.word_fc.bias"}),
+    "xcit-sot-late": ("xcit_nano_12_p8", {"depth": 2, "head": "sot", "fusion": "late", "mgcrp_m": 4}, 16,
+                      {"head.cls_fc.weight", "head.cls_fc.bias", "head.word_fc.weight", "head.word_fc.bias"}),
+    "vit-sot-concat": ("vit_mini_p4", {"depth": 2, "embed_dim": 40, "num_heads": 4, "head": "sot",
+                                       "fusion": "concat", "mgcrp_m": 4}, 16, {"head.fc.weight", "head.fc.bias"}),
+}
+# Families with a learned absolute position embedding (SoT's default is a fixed sinusoid table).
+LEARNED_POSITIONS = {"vit": {}, "armour": {}, "eit": {}, "sot": {"pos_embed": "learn"}}
+
+
+def model_config(family: str, img_size: int | None = None, **fields) -> ModelConfig:
+    name, args, size, _ = FAMILIES[family]
+    return ModelConfig(name=name, args={**args, **fields.pop("args", {})}, img_size=img_size or size, **fields)
+
+
+def trained_source(model: ModelConfig, num_classes: int = 10, card: bool = True, seed: int = 0) -> ModelSource:
+    """A model's weights as a resolved source: random, but not the target's initialisation; a tensor shared
+    between blocks (F-SNE's codes) under each of its names, as the resolver gives it."""
+    torch.manual_seed(seed)
+    weights = {name: tensor.detach() for name, tensor in build_model(model, num_classes).state_dict().items()}
+    return ModelSource(weights, ModelCard(model=model, num_classes=num_classes) if card else None,
+                       Provenance("pretrained", "run_name", "/runs/pretrained/model.safetensors", run_id="r1",
+                                  model_id="m-1"))
+
+
+def start(source: ModelSource, model: ModelConfig, num_classes: int, seed: int = 1):
+    """The target model, freshly initialised and then started from ``source``: (model, its fresh init, plan)."""
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, num_classes)
+    torch.manual_seed(seed)
+    target = build_model(model, num_classes)
+    fresh = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    load_initial_weights(target, source.weights, plan)
+    return target, fresh, plan
+
+
+def with_source(model: ModelConfig) -> ModelConfig:
+    """``model`` as a config starting from the source named ``pretrained``."""
+    return model.model_copy(update={"init_from": "pretrained"})
+
+
+# -- what carries over -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_new_class_count_starts_exactly_the_classifier_afresh_and_loads_the_rest(family):
+    model = with_source(model_config(family))
+    source = trained_source(model, num_classes=10)
+    target, fresh, plan = start(source, model, num_classes=5)
+    classifier = FAMILIES[family][3]
+    assert set(plan.reset) == set(plan.fresh) == classifier
+    assert all(reason == "classifier, 10 -> 5 classes" for reason in plan.reset.values())
+    state = target.state_dict()
+    for name in classifier:
+        torch.testing.assert_close(state[name], fresh[name], rtol=0, atol=0, msg=name)  # the model's own init
+        assert state[name].shape[0] == 5
+    assert set(plan.loaded) == state.keys() - classifier
+    for name in plan.loaded:
+        torch.testing.assert_close(state[name], source.weights[name], rtol=0, atol=0, msg=name)
+    assert target.eval()(torch.randn(2, 3, model.img_size, model.img_size)).shape == (2, 5)
+
+
+@pytest.mark.parametrize("family", LEARNED_POSITIONS)
+def test_a_new_resolution_resamples_the_learned_position_embedding_as_timm_does(family):
+    args = LEARNED_POSITIONS[family]
+    size = FAMILIES[family][2]
+    source = trained_source(model_config(family, args=args))
+    model = with_source(model_config(family, img_size=2 * size, args=args))
+    target, _, plan = start(source, model, num_classes=10)
+    (name, (old, new, prefix)), = plan.resampled.items()
+    assert name == "pos_embed" and prefix == 1 and new == (2 * old[0], 2 * old[1])
+    assert not plan.reset and set(plan.loaded) == target.state_dict().keys() - {"pos_embed"}
+    table = target.pos_embed.detach()
+    assert table.shape[1] == 1 + new[0] * new[1]
+    torch.testing.assert_close(table, resample_abs_pos_embed(source.weights["pos_embed"], list(new), list(old), 1))
+    torch.testing.assert_close(table[:, 0], source.weights["pos_embed"][:, 0])  # the class token's, as it was
+    assert f"pos_embed: {old[0]}x{old[1]} -> {new[0]}x{new[1]} tokens" in plan.summary()
+
+
+def test_xcit_takes_every_weight_at_a_new_resolution_its_fourier_encoding_and_conv_stem_included():
+    source = trained_source(model_config("xcit"))
+    target, _, plan = start(source, with_source(model_config("xcit", img_size=48)), num_classes=10)
+    assert not plan.reset and not plan.resampled and set(plan.loaded) == target.state_dict().keys()
+    assert {"pos_embed.token_projection.weight", "patch_embed.proj.0.0.weight"} <= set(plan.loaded)
+
+
+def test_sots_fixed_sinusoid_table_is_rebuilt_for_a_new_grid_not_interpolated():
+    from models.sot import sinusoid_position_table
+
+    source = trained_source(model_config("sot"))
+    target, _, plan = start(source, with_source(model_config("sot", img_size=64)), num_classes=10)
+    assert plan.reset == {"pos_embed": "fixed position table, rebuilt for 4x4 -> 8x8 tokens"}
+    torch.testing.assert_close(target.pos_embed.detach(), sinusoid_position_table(65, target.embed_dim))
+
+
+def test_a_bare_weights_file_resamples_from_the_square_grid_its_table_holds():
+    source = trained_source(model_config("vit"), card=False)
+    _, _, plan = start(source, with_source(model_config("vit", img_size=24)), num_classes=3)
+    assert plan.resampled == {"pos_embed": ((4, 4), (6, 6), 1)}
+    assert plan.reset == {"head.weight": "classifier, 10 -> 3 classes", "head.bias": "classifier, 10 -> 3 classes"}
+
+
+# -- what does not -------------------------------------------------------------------------------------------
+
+
+def test_weights_that_do_not_fit_are_refused_naming_each_with_both_shapes():
+    source = trained_source(model_config("vit"))
+    model = with_source(model_config("vit", args={"mlp_ratio": 2.0, "depth": 3}))  # 6 shapes differ, 12 new
+    with pytest.raises(InvalidInputError) as refused:
+        plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    message = str(refused.value)
+    assert "model.init_from='pretrained' (trained as vit_mini_p4) does not fit model.name='vit_mini_p4'" in message
+    assert "blocks.0.mlp.fc1.weight: source [160, 40] vs model [80, 40]" in message
+    assert "blocks.2.attn.proj.bias [40]: the source has no such weight" in message
+    assert "18 weight(s) cannot be taken" in message and "... and 6 more" in message and "model.init_exclude" in message
+
+
+def test_a_weight_only_the_source_has_is_refused():
+    source = trained_source(model_config("vit", args={"depth": 3}))
+    with pytest.raises(InvalidInputError, match=r"blocks\.2\.attn\.qkv\.weight \[120, 40\]: the model has no such"):
+        plan_transfer(shapes_of(source.weights), source.card, source.provenance, with_source(model_config("vit")), 10)
+
+
+def test_init_exclude_starts_the_matching_weights_afresh_on_purpose():
+    source = trained_source(model_config("vit"))
+    model = with_source(model_config("vit")).model_copy(update={"init_exclude": ("head.*", "blocks.1.*")})
+    target, fresh, plan = start(source, model, num_classes=10)  # the same class count: the head would load
+    assert not plan.reset and all(name.startswith(("head.", "blocks.1.")) for name in plan.excluded)
+    assert set(plan.fresh) == set(plan.excluded) and "head.weight" in plan.fresh
+    for name in plan.fresh:
+        torch.testing.assert_close(target.state_dict()[name], fresh[name], rtol=0, atol=0)
+
+
+def test_an_exclude_glob_that_matches_no_weight_is_refused_as_a_likely_typo():
+    source = trained_source(model_config("vit"))
+    model = with_source(model_config("vit")).model_copy(update={"init_exclude": ("haed.*",)})
+    with pytest.raises(InvalidInputError, match="model.init_exclude 'haed.\\*' matches no weight"):
+        plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+
+
+def test_init_options_without_a_source_are_refused():
+    with pytest.raises(ConfigError, match="model.init_from, which is not set"):
+        load_config("smoke", ["model.init_exclude=[head.*]"])
+
+
+# -- layer-wise learning-rate decay ---------------------------------------------------------------------------
+
+
+def _lr_scales(model, layer_decay: float) -> dict[str, float]:
+    optimizer = build_optimizer(model, OptimConfig(layer_decay=layer_decay), lr=1e-3)
+    return {name: group["lr"] / 1e-3 for group in optimizer.param_groups for name, p in model.named_parameters()
+            if any(p is q for q in group["params"])}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_decay_learning_rates_grow_with_depth_to_the_full_rate_at_the_head(family):
+    model = build_model(model_config(family, args={"depth": 3}), 10)
+    scales = _lr_scales(model, layer_decay=0.5)
+    block_scale = {}
+    for name, scale in scales.items():
+        if name.startswith("blocks."):
+            block_scale.setdefault(int(name.split(".")[1]), set()).add(scale)
+    assert all(len(found) == 1 for found in block_scale.values()), block_scale  # one rate per block
+    depth_order = [min(scales[n] for n in scales if n.startswith(("patch_embed", "cls_token")))]
+    depth_order += [block_scale[index].pop() for index in sorted(block_scale)]
+    depth_order += [max(scale for name, scale in scales.items() if name.startswith("head."))]
+    assert depth_order == sorted(depth_order) and len(set(depth_order)) == len(depth_order), depth_order
+    assert depth_order[-1] == 1.0 and all(math.isclose(b / a, 2.0) for a, b in zip(depth_order[1:3], depth_order[2:4]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_decay_keeps_the_same_weights_exempt_from_weight_decay(family):
+    model = build_model(model_config(family), 10)
+
+    def exempt(cfg: OptimConfig) -> set[str]:
+        groups = build_optimizer(model, cfg, lr=1e-3).param_groups
+        return {name for name, p in model.named_parameters() for g in groups
+                if g["weight_decay"] == 0 and any(p is q for q in g["params"])}
+
+    assert exempt(OptimConfig(layer_decay=0.75)) == exempt(OptimConfig()) != set()
+
+
+def test_the_schedule_scales_every_layers_rate_alike():
+    model = build_model(model_config("vit"), 10)
+    cfg = OptimConfig(lr=1e-3, layer_decay=0.5, epochs=2, schedule={"warmup_epochs": 1})
+    optimizer = build_optimizer(model, cfg, lr=1e-3)
+    before = [group["lr"] for group in optimizer.param_groups]
+    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch=10)
+    for _ in range(7):
+        optimizer.step()
+        scheduler.step()
+    after = [group["lr"] for group in optimizer.param_groups]
+    ratios = [a / b for a, b in zip(after, before)]
+    assert len(set(before)) > 2 and max(ratios) - min(ratios) < 1e-12 and ratios[0] != 1.0
+
+
+# -- a frozen backbone; every ZeRO stage and precision -------------------------------------------------------
+
+
+def _engine(model, cfg_overrides: list[str]):
+    import deepspeed
+
+    from pipeline.engine import deepspeed_config
+
+    cfg = load_config("smoke", ["scaling.num_workers=1", *cfg_overrides])
+    optimizer = build_optimizer(model, cfg.optim, lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1),
+                                           dist_init_required=False)
+    return engine
+
+
+def test_a_frozen_backbone_receives_no_update_and_keeps_its_batchnorm_statistics(single_process_group):
+    model = with_source(model_config("xcit"))  # XCiT: BatchNorm in its conv stem and every LPI
+    target, _, _ = start(trained_source(model), model, num_classes=4)
+    freeze_backbone(target)
+    backbone = {name: tensor.clone() for name, tensor in target.state_dict().items() if not name.startswith("head.")}
+    head = target.head.weight.detach().clone()
+    groups = build_optimizer(target, OptimConfig(), lr=1e-3).param_groups
+    trained = {id(p) for group in groups for p in group["params"]}
+    assert trained == {id(p) for p in target.head.parameters()}
+    engine = _engine(target, ["deepspeed.zero_stage=1"])
+    for _ in range(2):
+        engine.train()
+        train_head_only(engine.module)
+        engine.backward(F.cross_entropy(engine(torch.randn(4, 3, 16, 16)), torch.arange(4)))
+        engine.step()
+    state = engine.module.state_dict()
+    for name, tensor in backbone.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    assert not torch.equal(engine.module.head.weight.detach(), head)
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_initial_weights_load_the_same_under_every_zero_stage_and_precision(single_process_group, stage, precision):
+    import deepspeed
+
+    source = trained_source(model_config("vit"))
+    model = with_source(model_config("vit", img_size=24))
+    target, _, plan = start(source, model, num_classes=3)
+    expected = {name: tensor.clone() for name, tensor in target.named_parameters()}
+    engine = _engine(target, [f"deepspeed.zero_stage={stage}", f"deepspeed.precision={precision}"])
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    parameters = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(parameters.values()), enabled=stage == 3):
+        for name, tensor in expected.items():
+            torch.testing.assert_close(parameters[name].detach(), tensor.to(dtype), rtol=0, atol=0, msg=name)
+    assert plan.resampled and plan.reset  # a resampled embedding and a new head went through DeepSpeed too
+
+
+# -- saved sources, templates, restarts ----------------------------------------------------------------------
+
+
+def test_a_saved_source_keeps_its_weights_card_and_provenance_locally_and_at_a_uri(tmp_path):
+    model = ModelConfig(name="xcit_nano_12_p8", args={"depth": 2, "qkv": "fsne", "code_size": 8}, img_size=16)
+    source = trained_source(model)
+    shared = ("blocks.0.attn.qkv.codes.q", "blocks.1.attn.qkv.codes.q")
+    assert source.weights[shared[0]].data_ptr() == source.weights[shared[1]].data_ptr()
+    for location in (str(tmp_path / "local" / "init.safetensors"), f"file://{tmp_path}/uri/init.safetensors"):
+        save_source(source, location)
+        back = read_saved_source(location)
+        assert back.card == source.card and back.provenance == source.provenance
+        assert back.weights.keys() == source.weights.keys()
+        assert all(torch.equal(back.weights[name], tensor) for name, tensor in source.weights.items())
+        shapes, card, provenance = saved_source_header(location)
+        assert shapes == shapes_of(source.weights) and card == source.card and provenance == source.provenance
+
+
+def test_a_knob_names_the_trials_source_through_a_template():
+    tree = {"model": {"args": {"qkv": "fsne", "code_size": 16}}}
+    assert fill_template("models:/xcit_{model.args.qkv}_{model.args.code_size}@pretrained", tree) == \
+        "models:/xcit_fsne_16@pretrained"
+    assert fill_template("plain-run", tree) == "plain-run" and fill_template(None, tree) is None
+    with pytest.raises(ConfigError, match=r"\{model.args.depth\} names no value"):
+        fill_template("xcit_{model.args.depth}", tree)
+
+
+def test_a_restarted_run_starts_from_the_source_it_saved_even_when_the_original_is_gone(tmp_path):
+    model = with_source(model_config("vit"))
+    original = trained_source(model)
+    run_dir = tmp_path / "runs" / "finetune"
+    first = InitialWeights(plan_transfer(shapes_of(original.weights), original.card, original.provenance, model, 5),
+                           str(run_dir / "init_source.safetensors"), original)
+    first.save()
+    again = resolve_initial_weights(model.model_copy(update={"init_from": "gone-by-now"}), 5, str(run_dir),
+                                    str(tmp_path / "runs"), "sqlite:///unused.db")
+    assert again.plan == first.plan and again.source.provenance == original.provenance
+    assert json.loads(json.dumps(again.for_workers()))["plan"]["reset"] == {"head.bias": "classifier, 10 -> 5 classes",
+                                                                           "head.weight": "classifier, 10 -> 5 classes"}
+
+
+# -- runs and sweeps: every source checked before anything starts ------------------------------------------
+
+
+def _smoke_weights(path, depth: int) -> str:
+    """A bare safetensors file of the smoke model at ``depth`` (the resolver's ``safetensors`` form)."""
+    from safetensors.torch import save_file
+
+    model = build_model(load_config("smoke", [f"model.args.depth={depth}"]).model, 10)
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(path))
+    return str(path)
+
+
+def _data(tmp_path, digits16) -> list[str]:
+    return [f"run.storage_path={tmp_path / 'runs'}", f"data.train={digits16['train']}", f"data.val={digits16['val']}",
+            "data.prepare=null"]
+
+
+def test_a_run_whose_source_does_not_fit_is_refused_before_any_worker_naming_the_weights(tmp_path, digits16):
+    from pipeline.runs import check_run
+
+    source = _smoke_weights(tmp_path / "deeper.safetensors", depth=3)
+    with pytest.raises(InvalidInputError) as refused:  # the CLI's exit 2
+        check_run(load_config("smoke", [*_data(tmp_path, digits16), f"model.init_from={source}"]))
+    assert "blocks.2.attn.qkv.weight [384, 128]: the model has no such weight" in str(refused.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_checked_run_starts_from_its_source_and_writes_it_only_at_launch(tmp_path, digits16):
+    from pipeline.runs import check_run
+
+    source = _smoke_weights(tmp_path / "same.safetensors", depth=2)
+    run = check_run(load_config("smoke", [*_data(tmp_path, digits16), f"model.init_from={source}", "run.name=ft"]))
+    assert run.init.plan.provenance.kind == "safetensors" and not run.init.plan.reset
+    assert not (tmp_path / "runs" / "ft").exists()
+    run.init.save()
+    assert saved_source_header(run.init.location)[0] == shapes_of(run.init.source.weights)
+    assert run.init.location == str(tmp_path / "runs" / "ft" / "init_source.safetensors")
+
+
+def _sweep(tmp_path, digits16, space: str, *overrides: str):
+    from pipeline.sweeps.runner import prepare_sweep
+
+    (tmp_path / "space.yaml").write_text(space)
+    return prepare_sweep("smoke", [*_data(tmp_path, digits16), "tune.scheduler=fifo", *overrides],
+                         [str(tmp_path / "space.yaml")])
+
+
+def test_a_sweep_resolves_every_trials_source_before_it_starts(tmp_path, digits16):
+    from pipeline.sweeps.spaces import SpaceError
+
+    good = _smoke_weights(tmp_path / "good.safetensors", depth=2)
+    space = f"params:\n  model.init_from: {{values: [{good}, {tmp_path / 'missing.safetensors'}, null]}}\n"
+    with pytest.raises(SpaceError) as refused:
+        _sweep(tmp_path, digits16, space)
+    assert f"trials with model.init_from='{tmp_path / 'missing.safetensors'}'" in str(refused.value)
+    assert "does not exist" in str(refused.value) and not (tmp_path / "runs").exists()
+
+
+def test_a_knob_chooses_each_trials_source_and_each_is_fitted_to_its_trials_model(tmp_path, digits16):
+    from pipeline.sweeps.spaces import SpaceError
+
+    for depth in (1, 2):
+        _smoke_weights(tmp_path / f"depth{depth}.safetensors", depth=depth)
+    space = (f"fixed:\n  model.init_from: '{tmp_path}/depth{{model.args.depth}}.safetensors'\n"
+             "params:\n  model.args.depth: {values: [1, 2]}\n")
+    sweep = _sweep(tmp_path, digits16, space)
+    assert sorted(sweep.sources) == [(f"{tmp_path}/depth{depth}.safetensors", False) for depth in (1, 2)]
+    (tmp_path / "depth2.safetensors").write_bytes((tmp_path / "depth1.safetensors").read_bytes())
+    with pytest.raises(SpaceError, match=r"(?s)trials with model.args.depth=2: .*blocks\.1\..*the source has no such"):
+        _sweep(tmp_path, digits16, space)
+
+
+def test_the_finetune_presets_hold_the_papers_printed_settings():
+    paper_000 = load_config("finetune")  # §5.3: lr 5e-5, 1,000 epochs, XCiT-N12 at 224 px, XCiT's recipe
+    assert (paper_000.model.name, paper_000.model.img_size, paper_000.optim.lr, paper_000.optim.epochs) == (
+        "xcit_nano_12_p16", 224, 5e-5, 1000)
+    assert paper_000.data.val_crop_ratio == 1.0 and paper_000.optim.weight_decay == 0.05 and paper_000.model.init_from
+    paper_003 = load_config("finetune_384")  # @384/8, "fine-tuned and tested at resolution 384x384"
+    assert (paper_003.model.name, paper_003.model.img_size, paper_003.data.val_crop_ratio) == (
+        "xcit_nano_12_p8", 384, 1.0)
+    assert (paper_003.optim.lr, paper_003.optim.weight_decay, paper_003.optim.epochs,
+            paper_003.optim.schedule.name) == (5e-6, 1e-8, 30, "constant")
+
+
+def test_long_lists_of_weights_stay_within_mlflows_tag_limit_and_whole_in_the_artifact(tmp_path):
+    from pipeline.runs import record_initial_weights
+    from pipeline.tracking import MlflowStore
+
+    model = with_source(model_config("vit", args={"depth": 40})).model_copy(update={"init_exclude": ("blocks.*",)})
+    source = trained_source(model.model_copy(update={"init_exclude": ()}))
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    assert len(", ".join(plan.excluded)) > 8000  # MLflow's limit for a tag's value
+    tracking = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "finetune")
+    record_initial_weights(tracking, InitialWeights(plan, str(tmp_path / "init_source.safetensors")))
+    assert tracking.tags["init.excluded"].endswith("... (see init_weights.json)")
+    assert len(json.loads(tracking.read_artifact("init_weights.json"))["excluded"]) == len(plan.excluded) == 480
