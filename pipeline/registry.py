@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved, _validate_model_name
 
 from pipeline import uris
@@ -134,9 +135,18 @@ def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = 
                                                   model_id=model_id, description=describe_version(found),
                                                   tags=version_tags(found))
         created = True
+    _list_on_logged_model(client, model_id, name, version.version)
     if alias is not None:
         client.set_registered_model_alias(name, alias, version.version)
     return Registration(name, str(version.version), alias, run_id, model_id, tracking_uri, created)
+
+
+def _list_on_logged_model(client, model_id: str, name: str, version: int | str) -> None:
+    """The version in the logged model's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` (and
+    the tracking server's handler) records it: MLflow's model page reads its registrations there."""
+    listed = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    if not any(entry["name"] == name and str(entry["version"]) == str(version) for entry in listed):
+        client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*listed, {"name": name, "version": version}])})
 
 
 def _logged_model(client, run) -> str:

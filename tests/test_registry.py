@@ -28,6 +28,12 @@ def _versions(store: str, name: str) -> list:
     return MlflowClient(store).search_model_versions(f"name = '{name}'")
 
 
+def _listed_versions(logged_run) -> list[dict]:
+    """The versions the logged model's page shows as its registrations (MLflow's own `register_model` tag)."""
+    listed = json.loads(MlflowClient(logged_run.uri).get_logged_model(logged_run.model_id).tags["mlflow.modelVersions"])
+    return [{"name": entry["name"], "version": str(entry["version"])} for entry in listed]
+
+
 def test_a_run_registers_as_a_version_of_its_logged_model_with_its_metrics_and_datasets(logged_run, capsys):
     assert _register(logged_run.uri, logged_run.model_uri, "digits-model", "--alias", "champion") == 0
     assert "registered run" in capsys.readouterr().out
@@ -38,6 +44,7 @@ def test_a_run_registers_as_a_version_of_its_logged_model_with_its_metrics_and_d
     assert version.tags["dataset.training.sha256"] == read_sidecar(logged_run.data["train"]).sha256
     assert version.tags["model.name"] == "xcit_nano_12_p8" and version.tags["run_name"] == "logged"
     assert "untrained" in version.description and "Final: val_top1 12.5" in version.description
+    assert {"name": "digits-model", "version": "1"} in _listed_versions(logged_run)
     source = resolve_model_source("models:/digits-model@champion", storage_path=".", tracking_uri=logged_run.uri)
     assert (source.provenance.model_id, source.provenance.registered_version) == (logged_run.model_id, "1")
     assert all(torch.equal(source.weights[key], value) for key, value in logged_run.model.state_dict().items())
@@ -50,6 +57,8 @@ def test_the_same_run_registered_again_adds_no_version_and_moves_the_alias(logge
     assert len(_versions(logged_run.uri, "twice")) == 1
     model = MlflowClient(logged_run.uri).get_registered_model("twice")
     assert model.aliases == {"first": 1, "second": 1}
+    assert [listed for listed in _listed_versions(logged_run) if listed["name"] == "twice"] == [
+        {"name": "twice", "version": "1"}]
 
 
 # -- sweeps --------------------------------------------------------------------------------------------
