@@ -178,7 +178,9 @@ def _evaluation(metrics: dict[str, float], confusion: np.ndarray, samples: dict[
 
 def evaluation_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point on every rank: this rank's shard, then every rank's samples gathered in
-    the dataset's order (rank r reads positions r, r + W, ...: ffcv's DistributedSampler) on rank 0."""
+    the dataset's order (rank r reads positions r, r + W, ...: ffcv's DistributedSampler) on rank 0,
+    which hands the whole evaluation to the driver through ``config["results"]`` (a Ray queue: Ray
+    Train 2.60 keeps a report's metrics in ``Result.metrics`` only with a checkpoint)."""
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -198,8 +200,8 @@ def evaluation_worker(config: dict[str, Any]) -> None:
     for shard_rank, shard in enumerate(shards):
         for name, values in shard.items():
             merged[name][shard_rank::world_size] = values
-    report = {"metrics": metrics, "confusion": confusion.tolist(), "samples": merged}
-    ray.train.report(report if rank == 0 else {})
+    if rank == 0:
+        config["results"].put({"metrics": metrics, "confusion": confusion.tolist(), "samples": merged})
 
 
 def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
@@ -207,6 +209,7 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
 
     from pipeline.driver import start_ray, ray_address
     from pipeline.runs import error_line
@@ -218,10 +221,12 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
         if have < plan.workers and ray_address(address) == "local":
             raise InvalidInputError(f"--workers {plan.workers} need {plan.workers} CPUs; this machine's local Ray "
                                     f"has {have:g}: give fewer, or join a cluster with --address")
+        results = Queue(maxsize=1, actor_options={"num_cpus": 0})  # rank 0's evaluation, on any node
         with tempfile.TemporaryDirectory(prefix="vitsweep-evaluate-") as storage:
             trainer = TorchTrainer(
                 evaluation_worker,
-                train_loop_config={"source": ray.put(plan.source), "data": plan.data.model_dump(mode="json"),
+                train_loop_config={"source": ray.put(plan.source), "results": results,
+                                   "data": plan.data.model_dump(mode="json"),
                                    "preprocessing": plan.preprocessing.model_dump(mode="json"),
                                    "batch_size": plan.batch_size, "cache_dir": str(plan.cache_dir)},
                 torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -229,10 +234,10 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
                 run_config=RunConfig(name=f"evaluate-{uuid.uuid4().hex[:8]}", storage_path=storage),
             )
             try:
-                result = trainer.fit()
+                trainer.fit()
             except Exception as err:  # noqa: BLE001  (a worker's error, wrapped by Ray)
                 raise RunFailed(f"the evaluation failed on its Ray workers: {error_line(err)}") from err
-        reported = result.metrics
+        reported = results.get(block=False)
         return _evaluation(reported["metrics"], np.asarray(reported["confusion"]), reported["samples"])
     finally:
         ray.shutdown()

@@ -113,6 +113,20 @@ def test_the_console_says_what_was_evaluated_the_metrics_and_where_they_are(eval
     assert f"recorded as MLflow run {run.info.run_id}" in console and "workflowType=machine_learning" in console
 
 
+@pytest.mark.slow
+def test_two_ray_workers_count_every_sample_once_as_one_process_does(logged_run, evaluated):
+    """Each worker reads its shard; rank 0's gathered result reaches the driver (Ray Train 2.60 keeps a
+    report's metrics only with a checkpoint) and is recorded as the one-process evaluation is."""
+    _, alone = evaluated
+    assert _evaluate(logged_run, "--crop-ratio", "0.875", "--workers", "2") == 0
+    on_ray = _evaluations(logged_run)[0]
+    assert on_ray.info.run_id != alone.info.run_id
+    assert on_ray.data.metrics == pytest.approx(alone.data.metrics, rel=1e-6)
+    assert on_ray.data.metrics["val_top1"] == alone.data.metrics["val_top1"]  # counts: exactly
+    assert _read(logged_run, on_ray, "predictions.csv") == _read(logged_run, alone, "predictions.csv")
+    assert _read(logged_run, on_ray, "confusion_matrix.csv") == _read(logged_run, alone, "confusion_matrix.csv")
+
+
 def test_the_confusion_tally_counts_true_against_predicted_classes():
     tally = ConfusionTally(3)
     tally.add(torch.tensor([[9.0, 0, 0], [0, 9.0, 0], [0, 9.0, 0], [0, 0, 9.0]]), torch.tensor([0, 1, 2, 2]))
