@@ -30,10 +30,19 @@ def _interrupt(signum: int, frame) -> None:
     raise Interrupted(signum)
 
 
+def _off_the_main_thread() -> bool:
+    """Python runs signal handlers in the main thread only: a command called on another thread (a
+    library user's, a test's) leaves signal handling to whoever owns the main thread."""
+    return threading.current_thread() is not threading.main_thread()
+
+
 @contextlib.contextmanager
 def raised() -> Iterator[None]:
     """Inside the block both signals raise ``Interrupted`` in the main thread; the handlers there before
-    are installed again after it (also undoing any the block installed). Main thread only."""
+    are installed again after it (also undoing any the block installed). Elsewhere it does nothing."""
+    if _off_the_main_thread():
+        yield
+        return
     previous = {signum: signal.signal(signum, _interrupt) for signum in SIGNALS}
     try:
         yield
@@ -46,6 +55,9 @@ def raised() -> Iterator[None]:
 def held() -> Iterator[None]:
     """``raised``, but a signal arriving inside the block is raised only when the block has ended."""
     global _holding
+    if _off_the_main_thread():
+        yield
+        return
     _held.clear()
     try:
         with raised():
@@ -63,7 +75,10 @@ def held() -> Iterator[None]:
 @contextlib.contextmanager
 def ignored() -> Iterator[None]:
     """Signals inside the block are dropped: the command is stopping already, and cutting its clean-up
-    short (Ray's shutdown) would leave processes behind. Main thread only."""
+    short (Ray's shutdown) would leave processes behind. Elsewhere than the main thread it does nothing."""
+    if _off_the_main_thread():
+        yield
+        return
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}
     try:
         yield

@@ -33,9 +33,12 @@ def staged(cache: Path) -> dict[str, tuple[int, int]]:
     return {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in cache.rglob("*.beton")}
 
 
-def _replace_node_after_first_checkpoint(cluster, node, run_dir: Path, plan: dict, report: dict) -> None:
+def _replace_node_after_first_checkpoint(cluster, node, run_dir: Path, plan: dict, report: dict,
+                                         training: threading.Thread) -> None:
     deadline = time.monotonic() + 900
     while not list(run_dir.glob("checkpoint_*")):
+        if not training.is_alive():  # it failed (its error is in the report) or ended without a checkpoint
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"no checkpoint in {run_dir} after 900 s")
         time.sleep(0.5)
@@ -79,7 +82,7 @@ def _on_two_nodes(plan: dict, results) -> None:
                 training.start()
                 if plan.get("replace_worker"):
                     _replace_node_after_first_checkpoint(cluster, worker, Path(cfg.run.storage_path) / cfg.run.name,
-                                                         plan, report)
+                                                         plan, report, training)
                 training.join(timeout=TRAINING_TIMEOUT_S)
                 if training.is_alive():
                     report["training_error"] = f"training still running after {TRAINING_TIMEOUT_S} s"

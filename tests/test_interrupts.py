@@ -42,3 +42,16 @@ def test_work_on_a_thread_hands_back_its_result_or_its_error():
     assert interrupts.OnThread(lambda: 42, "answer").result() == 42
     with pytest.raises(ZeroDivisionError):
         interrupts.OnThread(lambda: 1 / 0, "fails").result()
+
+
+def test_a_command_called_on_another_thread_leaves_the_main_threads_handlers_alone():
+    """A library user (or a test) may call `pipeline.driver.train` on a thread of its own: Python takes
+    signals in the main thread only, so the blocks neither fail there nor touch the main thread's handlers."""
+    before = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
+
+    def command() -> str:
+        with interrupts.raised(), interrupts.held(), interrupts.ignored():
+            return "done"
+
+    assert interrupts.OnThread(command, name="command").result() == "done"
+    assert {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS} == before
