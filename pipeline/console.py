@@ -56,6 +56,19 @@ _active: Console | None = None
 
 
 @contextlib.contextmanager
+def command_console(verbose: bool = False) -> Iterator[Console]:
+    """The console of a command that drives the libraries: their settings quieted before they are
+    imported, their output kept for the command's log file (``Console.open_log``), closed at the end."""
+    quiet_environment()
+    console = Console(verbose=verbose, buffered=True).activate()
+    console.capture_libraries()
+    try:
+        yield console
+    finally:
+        console.close()
+
+
+@contextlib.contextmanager
 def library_prints() -> Iterator[None]:
     """What a library prints inside the block (DeepSpeed's checkpoint consolidation, MLflow's download
     bars) goes where library output goes (the log file), not to the console: ``sys.stdout`` and

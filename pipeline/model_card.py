@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.config import ExperimentConfig, ModelConfig
+from pipeline.config import DataConfig, ExperimentConfig, ModelConfig
 from pipeline.errors import InvalidInputError
 
 CARD_FORMAT = "vitsweep.model.v1"
@@ -75,6 +75,21 @@ class ModelCard(_Record):
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<card>'}: {e['msg']}"
                                  for e in err.errors(include_url=False))
             raise InvalidInputError(f"{where} does not describe its model as vitsweep does ({problems})") from None
+
+    def eval_preprocessing(self, data: DataConfig, img_size: int | None = None,
+                           crop_ratio: float | None = None) -> EvalPreprocessing:
+        """How to feed this model for evaluation: its own validation's preprocessing (a card without
+        one: ``data``'s crop, mean and std at the model's size), with ``img_size`` / ``crop_ratio`` instead
+        where given; InvalidInputError naming a value out of range."""
+        recorded = self.preprocessing or EvalPreprocessing(img_size=self.model.img_size, crop_ratio=data.val_crop_ratio,
+                                                           mean=data.mean, std=data.std)
+        chosen = {"img_size": img_size, "crop_ratio": crop_ratio}
+        try:
+            return EvalPreprocessing(**{**recorded.model_dump(), **{k: v for k, v in chosen.items() if v is not None}})
+        except ValidationError as err:
+            problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}"
+                                 for e in err.errors(include_url=False))
+            raise InvalidInputError(problems) from None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON- and YAML-ready (lists for tuples)."""

@@ -15,6 +15,8 @@ shown with the ``kind`` it resolves as and the weights read:
 - ``mlflow_run``: ``runs:/<run_id>/model``, and ``registered_model``: ``models:/<name>/<version>``
   or ``models:/<name>@<alias>``, in the given MLflow store: the weights files logged with the
   MLflow model (``extra_files/``), and the card in its metadata.
+- ``mlflow_model_dir``: such an MLflow model downloaded (a directory with its ``MLmodel``): the same
+  files, read in place (``read_logged_model_directory``; the model's pyfunc loads itself this way).
 
 An existing path is taken as a path; a bare name that is not one is looked up as a run. Nothing
 is written: MLflow files are downloaded into a temporary directory, read, and removed; a local
@@ -43,13 +45,14 @@ from pipeline.checkpointing import (EMA_WEIGHTS_FILE, META_FILE, WEIGHTS_FILE, C
 from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
-from pipeline.modeling import build_model
+from pipeline.modeling import build_model, checked_model
 from pipeline.tracking import LOGGED_MODEL_FILES, RUN_RECORD, is_local_store, read_run_record, require_reachable
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
-                     "registered_model"]
+                     "registered_model", "mlflow_model_dir"]
 FORMS = ("a run name or directory, a checkpoint directory, a .safetensors or torch state dict file, "
-         "runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS")
+         "runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS, or a downloaded MLflow model directory")
+MLMODEL_FILE = "MLmodel"  # an MLflow model directory's description (flavors, metadata)
 _MLFLOW_SCHEMES = ("runs:/", "models:/")
 # Where torch training scripts keep a model's weights in a checkpoint dict (timm's names), EMA's first.
 _STATE_DICT_KEYS = {False: ("state_dict", "model"), True: ("state_dict_ema", "model_ema")}
@@ -92,19 +95,31 @@ class ModelSource:
     card: ModelCard | None
     provenance: Provenance
 
-    def build(self) -> nn.Module:
-        """The model as it was trained (the card's model section and class count) holding these
-        weights exactly, on the CPU, in eval mode."""
-        given = self.provenance.given
+    def require_card(self) -> ModelCard:
+        """The card; InvalidInputError for a bare weights file, which cannot say what model it holds."""
         if self.card is None:
-            raise InvalidInputError(f"model source {given!r} is a bare weights file: it does not say which model "
-                                    f"it holds; give {FORMS}")
-        model = build_model(self.card.model, self.card.num_classes)
+            raise InvalidInputError(f"model source {self.provenance.given!r} is a bare weights file: it does not say "
+                                    f"which model it holds; give {FORMS}")
+        return self.card
+
+    def build(self, img_size: int | None = None) -> nn.Module:
+        """The model as it was trained (the card's model section and class count) holding these
+        weights exactly, on the CPU, in eval mode; at ``img_size`` instead of its own where the same
+        weights fit and the model runs there (XCiT's Fourier encoding does; a learned position
+        embedding of another grid does not: InvalidInputError)."""
+        given = self.provenance.given
+        section = self.require_card().model
+        if img_size is not None and img_size != section.img_size:
+            section = section.model_copy(update={"img_size": img_size})
+            checked_model(section, self.card.num_classes)  # a ConfigError naming the size if it cannot run there
+        model = build_model(section, self.card.num_classes)
         try:
             model.load_state_dict(self.weights)
         except RuntimeError as err:
+            at = ("" if section is self.card.model
+                  else f" at img_size {section.img_size} (trained at {self.card.model.img_size})")
             raise InvalidInputError(f"model source {given!r}: its weights do not fit its own model "
-                                    f"{self.card.model.name} ({err})") from None
+                                    f"{self.card.model.name}{at} ({err})") from None
         return model.eval()
 
 
@@ -133,6 +148,8 @@ def resolve_model_source(given: str, *, storage_path: str | Path, tracking_uri: 
 
 
 def _directory_source(given: str, directory: Path, ema: bool) -> ModelSource:
+    if (directory / MLMODEL_FILE).is_file():
+        return read_logged_model_directory(directory, ema, given)
     if (directory / META_FILE).is_file():
         weights, card, location = _checkpoint_contents(given, directory, ema)
         return ModelSource(weights, card, _run_provenance(given, "checkpoint_dir", location, ema, directory.parent))
@@ -343,6 +360,26 @@ def _download(given: str, artifact_uri: str, directory: str, tracking_uri: str) 
         raise InvalidInputError(f"model source {given!r}: {artifact_uri} cannot be downloaded "
                                 f"({err.message})") from None
     return Path(local)
+
+
+def read_logged_model_directory(directory: str | Path, ema: bool = False, given: str | None = None) -> ModelSource:
+    """A vitsweep MLflow model on disk (``MLmodel`` + ``extra_files/``): its weights, card and the run
+    and logged model it names; InvalidInputError when it is not one."""
+    from mlflow.models import Model
+
+    directory = Path(directory)
+    given = given or str(directory)
+    wanted = directory / LOGGED_MODEL_FILES / (EMA_WEIGHTS_FILE if ema else WEIGHTS_FILE)
+    card = _logged_card(given, directory / MLMODEL_FILE)
+    if card is None or not wanted.is_file():
+        reason = ("holds no EMA weights: its run trained without optim.ema_decay" if card and ema
+                  else f"was not logged by vitsweep (no card in its MLmodel metadata, or no {LOGGED_MODEL_FILES}/"
+                       f"{WEIGHTS_FILE})")
+        raise InvalidInputError(f"model source {given!r}: MLflow model directory {str(directory)!r} {reason}")
+    logged = Model.load(str(directory / MLMODEL_FILE))
+    provenance = Provenance(given, "mlflow_model_dir", str(wanted), ema, run_id=logged.run_id,
+                            model_id=getattr(logged, "model_id", None))
+    return ModelSource(_read_safetensors(given, wanted), card, provenance)
 
 
 def _logged_card(given: str, mlmodel: Path) -> ModelCard | None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import mlflow
 import mlflow.pytorch
-import numpy as np
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, LoggedModelInput, Metric, Param, Run, RunTag
@@ -33,7 +32,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
-from pipeline.console import say
+from pipeline.console import library_prints, say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
 from pipeline.metrics import DIVERGED_KEY
@@ -290,10 +289,19 @@ class MlflowRun:
     def set_tags(self, tags: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
 
-    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int = 0, model_id: str | None = None,
+                    dataset: tuple[str, str] | None = None) -> None:
+        """``model_id``: also the metrics of that MLflow logged model (its page lists them), measured on
+        ``dataset`` (``dataset_reference``: a dataset input of this run)."""
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
-                                                    for key, value in metrics.items()])
+        name, digest = dataset or (None, None)
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(key, float(value), now, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+            for key, value in metrics.items()])
+
+    def log_model_input(self, model_id: str) -> None:
+        """The run used this logged model (the UI links them)."""
+        self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
 
     def log_texts(self, files: dict[str, str], artifact_path: str | None = None) -> None:
         with tempfile.TemporaryDirectory() as directory:
@@ -339,21 +347,25 @@ class MlflowRun:
 
     def log_model(self, model, weights: list[Path], card: ModelCard, step: int) -> str:
         """The final weights (safetensors: the model's, and its EMA's where there is one) as run
-        artifacts, and the model via mlflow.pytorch (``load_model`` restores it) carrying the same
-        weights files (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``), so that a
-        ``runs:/`` or ``models:/`` URI is a complete model source (``pipeline.model_source``);
-        linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's).
-        Returns the logged model's id."""
+        artifacts, and the model as one MLflow model (``pipeline.serving``): its ``pytorch`` flavor
+        (``mlflow.pytorch.load_model`` restores the module) and an image-classifying
+        ``python_function`` flavor (``mlflow models serve``), carrying the same weights files
+        (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``), so that a ``runs:/`` or
+        ``models:/`` URI is a complete model source (``pipeline.model_source``); linked to the
+        metrics of epoch ``step`` (the last: MLflow's default would be step 0's). Returns the
+        logged model's id."""
+        from mlflow.models import Model
+
+        from pipeline import serving
+
         for path in weights:
             self.log_artifact(path)
-        size = card.model.img_size
-        example = np.zeros((1, 3, size, size), dtype=np.float32)
-        with _fluent_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id):
+        # The run active (not only named): MLflow files the logged model under the active run's experiment.
+        with _fluent_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id), library_prints():
             # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
-            logged = mlflow.pytorch.log_model(
-                model.eval(), name=LOGGED_MODEL_NAME, input_example=example, serialization_format="pickle", step=step,
-                extra_files=[str(path) for path in weights], metadata={MLFLOW_METADATA_KEY: card.as_dict()},
-            )
+            logged = Model.log(None, flavor=serving, name=LOGGED_MODEL_NAME, flavor_name="pytorch", step=step,
+                               metadata={MLFLOW_METADATA_KEY: card.as_dict()}, pytorch_model=model.eval(),
+                               weights=weights, card=card, serialization_format="pickle")
         return logged.model_id
 
     def log_model_input(self, model_id: str) -> None:
@@ -371,7 +383,7 @@ class MlflowRun:
             with warnings.catch_warnings():  # a local path matches several source types; any of them names it
                 warnings.simplefilter("ignore", UserWarning)
                 source = resolve_dataset_source(location)
-            dataset = MetaDataset(source, name=Path(location).name, digest=sha256[:32])
+            dataset = MetaDataset(source, *dataset_reference(location, sha256))
             inputs.append(DatasetInput(dataset._to_mlflow_entity(),
                                        [InputTag("mlflow.data.context", context), InputTag("sha256", sha256)]))
         self.client.log_inputs(self.run_id, datasets=inputs)
@@ -386,6 +398,12 @@ class MlflowRun:
         monitor = NodeSystemMetrics(self.run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=self.uri)
         monitor.start()
         return monitor
+
+
+def dataset_reference(location: str, sha256: str) -> tuple[str, str]:
+    """How a dataset input is named in MLflow: (file name, digest). MLflow caps a digest at 36
+    characters: it is the SHA-256's prefix (``log_datasets`` adds the whole hash as a tag)."""
+    return Path(location).name, sha256[:32]
 
 
 class NodeSystemMetrics(SystemMetricsMonitor):

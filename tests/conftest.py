@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,56 @@ def digits16(tmp_path_factory) -> dict[str, Path]:
     data = DataConfig(train=str(root / "train.beton"), val=str(root / "val.beton"))
     train, val = prepare_digits(data, img_size=16)
     return {"train": train, "val": val}
+
+
+DIGITS = tuple(f"digit {i}" for i in range(10))
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """A finished run's MLflow record as training leaves it, around an untrained smoke model."""
+
+    storage: Path
+    uri: str
+    run_id: str
+    model_id: str
+    model: object  # the logged nn.Module, in eval mode
+    data: dict[str, Path]  # the digits16 files it names as its datasets
+
+    @property
+    def model_uri(self) -> str:
+        return f"runs:/{self.run_id}/model"
+
+
+@pytest.fixture(scope="session")
+def logged_run(tmp_path_factory, digits16) -> LoggedRun:
+    """A FINISHED run in a sqlite store with what `vitsweep train` records (description, final metrics at
+    step 1, both datasets) and its model logged by training's own ``MlflowRun.log_model``: random
+    weights of the smoke model (no training: tests check what is done with the weights, not accuracy)."""
+    import torch
+    from safetensors.torch import save_model
+
+    from pipeline.config import load_config
+    from pipeline.data.sidecar import read_sidecar
+    from pipeline.model_card import ModelCard
+    from pipeline.modeling import build_model
+    from pipeline.tracking import MlflowStore, run_origin
+
+    storage = tmp_path_factory.mktemp("logged-run")
+    cfg = load_config("smoke", [f"run.storage_path={storage}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(DIGITS)).eval()
+    save_model(model, str(storage / "model.safetensors"))
+    uri = f"sqlite:///{storage}/mlflow.db"
+    run = MlflowStore(uri).create_run("vitsweep", "logged")
+    run.log_params(cfg.flat())
+    run.set_tags(run_origin("**xcit_nano_12_p8**, untrained.", "vitsweep train --config smoke"))
+    run.log_metrics({"val_top1": 12.5, "val_top5": 50.0, "val_loss": 2.3, "train_loss": 2.31}, step=1)
+    run.log_datasets({context: (str(digits16[split]), read_sidecar(digits16[split]).sha256)
+                      for context, split in (("training", "train"), ("validation", "val"))})
+    model_id = run.log_model(model, [storage / "model.safetensors"], ModelCard.of_run(cfg, len(DIGITS), DIGITS), step=1)
+    run.end("FINISHED", "completed")
+    return LoggedRun(storage, uri, run.run_id, model_id, model, digits16)
 
 
 def copy_with_sidecar(beton: Path, directory: Path, chunk_bytes: int | None = None, flip_at: int | None = None) -> Path:
@@ -77,6 +128,14 @@ def train_command(storage: Path, data: dict[str, Path], *overrides: str, config:
     return args
 
 
+def tune_command(storage, data, space, *overrides) -> list[str]:
+    """`vitsweep tune` on the smoke model with one worker per trial, writing only under ``storage``."""
+    args = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",
+            "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=1",
+            "--set", f"data.train={data['train']}", "--set", f"data.val={data['val']}", "--set", "data.prepare=null"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
 def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[str, float]) -> None:
     """``model`` (a run's final weights), evaluated as the run's workers evaluate (the config's val loader
     and precision, BatchNorm in fp32 with exact running statistics), scores the run's final metrics."""

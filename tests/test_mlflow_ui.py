@@ -3,6 +3,9 @@ vitsweep gives: a training run and a sweep's trials read as model-training runs 
 the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the sweep's chart
 view drawn as its saved view configures it; its summary page on the parent run.
 
+The training run's logged model, evaluated and registered as README "After training" does, lists on
+its page the evaluation (its dataset and metrics).
+
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
 import re
@@ -74,6 +77,40 @@ def runs(store):
 def _printed(store, which: str, server: str) -> str:
     """The link the command printed, on this test's server instead of `mlflow ui`'s default address."""
     return store[1][which].replace("http://127.0.0.1:5000", server)
+
+
+REGISTERED = "ui-classifier"
+
+
+@pytest.fixture(scope="module")
+def evaluated(store, runs):
+    """The training run's model evaluated on its validation set and registered, by the commands themselves
+    in this process (a few seconds: no training); the evaluation's MLflow run."""
+    from pipeline.cli import main
+    from pipeline.evaluation import ROLE, ROLE_TAG
+
+    storage, _, _ = store
+    experiment, trained, _, _ = runs
+    source, settings = f"runs:/{trained.info.run_id}/model", ["--set", f"run.storage_path={storage}"]
+    data = storage.parent / trained.data.params["data.val"]  # a relative path is the user directory's (the store's parent)
+    assert main(["evaluate", source, "--data", str(data), *settings]) == 0
+    assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
+    (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}'")
+    return evaluation
+
+
+def test_the_logged_models_page_lists_its_evaluation_on_its_dataset(
+        server, store, runs, evaluated, browser, screenshots):
+    experiment, trained, _, _ = runs
+    (output,) = MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").get_run(trained.info.run_id).outputs.model_outputs
+    assert evaluated.data.tags["vitsweep.source_model_id"] == output.model_id
+    data_name = Path(trained.data.params["data.val"]).name
+    browser.open(f"{server}/#/experiments/{experiment}/models/{output.model_id}?workflowType=machine_learning")
+    browser.wait_for_text(evaluated.info.run_name, data_name)
+    browser.screenshot(screenshots / "model_page.png")
+    text = browser.facts()["text"]
+    assert f"{evaluated.data.metrics['val_top1']}" in text  # the evaluation's val_top1, on the model's page
 
 
 def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(server, store, runs, browser,

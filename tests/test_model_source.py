@@ -234,6 +234,16 @@ def test_a_registered_alias_gives_its_versions_model_and_its_ema(trained):
     assert source.card == trained.card
 
 
+def test_a_downloaded_mlflow_model_directory_gives_its_weights_card_and_lineage(trained, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", trained.uri)  # MLflow finds a models:/<model_id> through it
+    local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{trained.model_id}", dst_path=str(tmp_path))
+    source = resolve(trained, local, ema=True)
+    assert_same_weights(source.weights, trained.weights["final_ema"])
+    assert source.card == trained.card
+    assert (source.provenance.kind, source.provenance.run_id, source.provenance.model_id) == (
+        "mlflow_model_dir", trained.run_id, trained.model_id)
+
+
 def test_a_source_builds_its_model_as_the_logged_pytorch_model_predicts(trained, monkeypatch):
     images = torch.randn(2, 3, 16, 16)
     built = resolve(trained, f"models:/{REGISTERED}@champion").build()

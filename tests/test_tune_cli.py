@@ -90,6 +90,17 @@ def test_an_existing_sweep_is_not_overwritten(tmp_path, capsys):
     assert record.read_text() == "{}"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--register", "a:b"], "cannot register as 'a:b': Invalid model name"),
+    (["--register", "ok", "--alias", "latest"], "'latest' alias name (case insensitive) is reserved"),
+    (["--alias", "champion"], "--alias champion names an alias of the model --register NAME registers"),
+])
+def test_a_registry_name_mlflow_refuses_exits_2_before_the_sweep(tmp_path, capsys, flags, message):
+    assert main([*_tune(tmp_path, "params:\n  optim.lr: {values: [1.0e-3]}\n"), *flags]) == EXIT_INVALID_INPUT
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resume_takes_nothing_but_the_sweep_directory(tmp_path, capsys):
     assert main(["tune", "--resume", str(tmp_path), "--space", "lr_wd"]) == EXIT_INVALID_INPUT
     assert "drop --space" in capsys.readouterr().err

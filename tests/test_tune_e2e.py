@@ -14,23 +14,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_model
 
-from conftest import VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, vitsweep_env
+from conftest import VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command, vitsweep_env
 from pipeline.config import load_config
 from pipeline.modeling import build_model
 
 pytestmark = pytest.mark.slow
 
 EPOCH_METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
-
-
-def tune_command(storage, data, space, *overrides) -> list[str]:
-    """`vitsweep tune` on the smoke model with one worker per trial, writing only under ``storage``."""
-    args = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",
-            "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=1",
-            "--set", f"data.train={data['train']}", "--set", f"data.val={data['val']}", "--set", "data.prepare=null"]
-    for override in overrides:
-        args += ["--set", override]
-    return args
 
 
 def _runs(storage):

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from pipeline import interrupts
-from pipeline.cli import compare, config, data, doctor, models, train, tune
+from pipeline.cli import compare, config, data, doctor, evaluate, models, predict, register, train, tune
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.uris import redact
 
@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(commands)
     tune.add_parser(commands)
     compare.add_parser(commands)
+    evaluate.add_parser(commands)
+    predict.add_parser(commands)
+    register.add_parser(commands)
     data.add_parser(commands)
     models.add_parser(commands)
     config.add_parser(commands)

@@ -19,6 +19,16 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_source_argument(parser: argparse.ArgumentParser) -> None:
+    """SOURCE, shared by the commands that take a trained model (``pipeline.model_source`` resolves it)."""
+    parser.add_argument(
+        "source", metavar="SOURCE",
+        help="a trained model: a run's name (under run.storage_path) or directory, a checkpoint directory, a "
+             ".safetensors file, runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS (in the config's "
+             "MLflow store: tracking.mlflow_uri, MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db)",
+    )
+
+
 def add_address_argument(parser: argparse.ArgumentParser) -> None:
     """--address, shared by the commands that run on Ray."""
     parser.add_argument(

@@ -54,6 +54,9 @@ def add_parser(commands) -> None:
     inspect.add_argument("--samples", type=int, default=16, metavar="N", help="samples in the grid (default 16)")
     inspect.add_argument("--grid", default=None, metavar="PNG", help="where to save the grid (default: ./<name>_samples.png)")
     inspect.add_argument("--no-checksum", action="store_true", help="skip hashing the file (large files)")
+    inspect.add_argument("--export", default=None, metavar="DIR",
+                         help="also save the same samples, as stored, as DIR/<index>_<class>.png (a new or empty "
+                              "directory), e.g. to try `vitsweep predict` on them")
     inspect.set_defaults(run=_inspect)
 
     stage = actions.add_parser("stage", help="Copy a dataset URI once into this node's cache; print the local path.")
@@ -131,7 +134,7 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pipeline.data.inspection import decode_samples, sample_grid, spread_indices
+    from pipeline.data.inspection import decode_samples, export_samples, sample_grid, spread_indices
     from pipeline.data.integrity import check_beton
     from pipeline.config import location_problem
     from pipeline.errors import InvalidInputError
@@ -140,6 +143,9 @@ def _inspect(args: argparse.Namespace) -> int:
     _user_facing()
     if args.samples < 1:
         raise InvalidInputError(f"--samples {args.samples}: need at least 1")
+    export = Path(args.export) if args.export else None
+    if export is not None and (export.is_file() or (export.is_dir() and any(export.iterdir()))):
+        raise InvalidInputError(f"--export {args.export}: not an empty directory; give a new or empty one")
     problem = location_problem(args.file, kind="file")
     if problem:
         raise InvalidInputError(f"FILE.beton: {problem}")
@@ -167,6 +173,9 @@ def _inspect(args: argparse.Namespace) -> int:
     grid_path.parent.mkdir(parents=True, exist_ok=True)
     sample_grid(images, [sidecar.classes[label] for label in labels]).save(grid_path)
     print(f"saved {len(indices)} decoded samples to {grid_path}")
+    if export is not None:
+        written = export_samples(args.file, indices, sidecar.classes, export)
+        print(f"exported {len(written)} samples, as stored, to {export}/")
     return 0
 
 

@@ -21,15 +21,12 @@ def add_parser(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     launched_at = time.time()
-    from pipeline.console import Console, quiet_environment
+    from pipeline.console import command_console
 
-    quiet_environment()  # before the libraries are imported: some read their settings then
-    console = Console(verbose=args.verbose, buffered=True).activate()
-    console.capture_libraries()
-    from pipeline.driver import train_from_config
-    from pipeline.tracking import where_to_look
+    with command_console(args.verbose) as console:
+        from pipeline.driver import train_from_config
+        from pipeline.tracking import where_to_look
 
-    try:
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
         metrics = outcome.metrics
         console.line(
@@ -39,6 +36,4 @@ def _run(args: argparse.Namespace) -> int:
             f"  MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}\n"
             + where_to_look(outcome.tracking_uri, outcome.experiment_id, outcome.mlflow_run_id)
         )
-    finally:
-        console.close()
     return 0

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from pipeline.cli.config import add_address_argument, add_config_arguments, add_verbose_argument
+from pipeline.cli.register import add_alias_argument, announce
 from pipeline.errors import InvalidInputError
 
 
@@ -28,29 +29,35 @@ def add_parser(commands) -> None:
         help="continue an interrupted sweep from its directory (printed when it started); finished trials are "
              "not run again",
     )
+    parser.add_argument(
+        "--register", default=None, metavar="NAME",
+        help="when the sweep ends, register its best trial's model as a version of NAME in the MLflow model "
+             "registry (as `vitsweep register SWEEP NAME`)",
+    )
+    add_alias_argument(parser)
     add_address_argument(parser)
     add_verbose_argument(parser)
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.console import Console, quiet_environment
+    from pipeline.console import command_console
 
-    quiet_environment()  # before the libraries are imported: some read their settings then
-    console = Console(verbose=args.verbose, buffered=True).activate()
-    console.capture_libraries()
-    try:
+    with command_console(args.verbose) as console:
         return _sweep(args, console)
-    finally:
-        console.close()
 
 
 def _sweep(args: argparse.Namespace, console) -> int:
+    from pipeline.registry import check_registry_names, register_run
     from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
     from pipeline.sweeps.importance import format_importance
     from pipeline.sweeps.summary import SUMMARY_NAME
     from pipeline.tracking import check_logger_can_reach, ui_link, ui_server, where_to_look
 
+    if args.alias and not args.register:
+        raise InvalidInputError(f"--alias {args.alias} names an alias of the model --register NAME registers; give both")
+    if args.register:
+        check_registry_names(args.register, args.alias)
     if args.resume:
         given = [flag for flag, value in (("--space", args.spaces), ("--config", args.config),
                                           ("--set", args.overrides)) if value]
@@ -77,6 +84,9 @@ def _sweep(args: argparse.Namespace, console) -> int:
         print(f"vitsweep tune: interrupted; continue with: vitsweep tune --resume {outcome.directory}", file=sys.stderr)
         return 1
     if outcome.best is None:
-        print("vitsweep tune: no trial trained every epoch (see the table's reasons)", file=sys.stderr)
+        print("vitsweep tune: no trial trained every epoch (see the table's reasons)"
+              + (f"; nothing registered as {args.register!r}" if args.register else ""), file=sys.stderr)
         return 1
+    if args.register:
+        console.line(announce(register_run(outcome.tracking_uri, outcome.best.run_id, args.register, args.alias)))
     return 0

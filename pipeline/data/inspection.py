@@ -1,7 +1,10 @@
-"""What a ``.beton`` holds, seen through ffcv's own decoders: sample thumbnails as a PNG grid."""
+"""What a ``.beton`` holds, seen through ffcv's own decoders: sample thumbnails as a PNG grid, and
+samples exported as image files exactly as they are stored."""
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,9 @@ from pipeline.data.runtime import ThreadCountPreservingLoader
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
 from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+from ffcv.libffcv import imdecode
 from ffcv.loader import OrderOption
+from ffcv.reader import Reader
 
 _CAPTION_HEIGHT = 14
 
@@ -44,3 +49,38 @@ def sample_grid(images: np.ndarray, captions: list[str]) -> Image.Image:
         grid.paste(Image.fromarray(image), (x, y))
         draw.text((x + 2, y + size + 1), caption[: max(1, size // 6)], fill="black")
     return grid
+
+
+_JPEG_MODE = 0  # RGBImageField's stored modes: 0 JPEG, 1 raw pixels
+
+
+def stored_images(path: str | Path, indices: np.ndarray) -> Iterator[tuple[int, np.ndarray, int]]:
+    """(index, image HxWx3 uint8, label) of each sample, at its stored size, decoded as ffcv's loaders
+    decode it before they crop (raw pixels as stored; JPEG by libffcv's own ``imdecode``)."""
+    reader = Reader(str(path))
+    sizes = dict(zip(reader.alloc_table["ptr"].tolist(), reader.alloc_table["size"].tolist()))
+    with open(path, "rb") as beton:
+        for index in indices.tolist():
+            image, label = reader.metadata[index]["f0"], int(reader.metadata[index]["f1"])
+            height, width, pointer = int(image["height"]), int(image["width"]), int(image["data_ptr"])
+            beton.seek(pointer)
+            stored = np.frombuffer(beton.read(sizes[pointer]), dtype=np.uint8)
+            if image["mode"] == _JPEG_MODE:
+                decoded = np.empty((height, width, 3), dtype=np.uint8)
+                imdecode(stored, decoded, height, width, height, width, 0, 0, 1, 1, False, False)
+            else:
+                decoded = stored.reshape(height, width, 3)
+            yield index, decoded, label
+
+
+def export_samples(path: str | Path, indices: np.ndarray, classes: list[str], directory: Path) -> list[Path]:
+    """Each sample as a lossless PNG ``<index>_<class>.png`` in ``directory`` (index zero-padded: file
+    order sorts as the .beton's), its pixels exactly as ffcv decodes them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    digits = len(str(max(int(indices.max()), 0)))
+    written = []
+    for index, image, label in stored_images(path, indices):
+        name = re.sub(r"[^\w.-]+", "-", classes[label])
+        written.append(directory / f"{index:0{digits}d}_{name}.png")
+        Image.fromarray(image).save(written[-1])
+    return written

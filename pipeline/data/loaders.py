@@ -42,6 +42,14 @@ ORDERS = {"random": OrderOption.RANDOM, "sequential": OrderOption.SEQUENTIAL, "q
 Pipelines = dict[str, list[Operation]]
 
 
+def normalization(mean: tuple[float, float, float], std: tuple[float, float, float],
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(255 mean, 1 / (255 std)) as float32 [1, 3, 1, 1]: ``(x - first) * second`` normalises uint8 pixels.
+    ``NormalizeToFloat`` and ``pipeline.data.images`` both use these, so their float32 results are equal."""
+    mean_255, std_255 = torch.tensor(mean) * 255, torch.tensor(std) * 255
+    return mean_255.view(1, 3, 1, 1).to(device), (1 / std_255).view(1, 3, 1, 1).to(device)
+
+
 class NormalizeToFloat(Operation):
     """uint8 [B, C, H, W] -> float32 ``(x - 255 mean) / (255 std)``, with torch ops on the batch's device.
 
@@ -51,7 +59,7 @@ class NormalizeToFloat(Operation):
 
     def __init__(self, mean: tuple[float, float, float], std: tuple[float, float, float]):
         super().__init__()
-        self.mean_255, self.std_255 = torch.tensor(mean) * 255, torch.tensor(std) * 255
+        self.mean, self.std = mean, std
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
         self.device = previous_state.device
@@ -59,8 +67,7 @@ class NormalizeToFloat(Operation):
                 AllocationQuery(previous_state.shape, torch.float32, previous_state.device))
 
     def generate_code(self) -> Callable:
-        mean = self.mean_255.view(1, 3, 1, 1).to(self.device)
-        inverse_std = (1 / self.std_255).view(1, 3, 1, 1).to(self.device)
+        mean, inverse_std = normalization(self.mean, self.std, self.device)
 
         def normalize(images: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
             destination = destination[: images.shape[0]]

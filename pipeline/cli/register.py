@@ -1,0 +1,54 @@
+"""`vitsweep register SOURCE NAME [--alias A]`: a run's logged model, or a sweep's best trial's, as a
+version of a registered MLflow model (``pipeline.registry``)."""
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli.config import add_config_arguments
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "register", help="Register a run's (or a sweep's best trial's) model in the MLflow model registry.",
+        description="A new version of the registered model NAME (created if new) pointing at the run's logged "
+                    "model, with the run's description, final metrics, datasets and knobs; a run already "
+                    "registered under NAME keeps its version (no second one). A sweep stands for its best trial "
+                    "by the sweep's metric (tune.metric).",
+    )
+    parser.add_argument(
+        "source", metavar="SOURCE",
+        help="a run's name (under run.storage_path) or directory, runs:/RUN_ID/model, models:/NAME/VERSION or "
+             "models:/NAME@ALIAS, or a sweep's name (under tune.storage_path, else run.storage_path) or directory",
+    )
+    parser.add_argument("name", metavar="NAME", help="the registered model's name")
+    add_alias_argument(parser)
+    add_config_arguments(parser)
+    parser.set_defaults(run=_run)
+
+
+def add_alias_argument(parser: argparse.ArgumentParser, flag: str = "--alias") -> None:
+    parser.add_argument(flag, dest="alias", default=None, metavar="ALIAS",
+                        help="point this alias of the registered model at the version (models:/NAME@ALIAS), e.g. "
+                             "champion")
+
+
+def announce(registration) -> str:
+    """The console's lines about a registration."""
+    outcome = (f"registered run {registration.run_id} as {registration.name!r} version {registration.version}"
+               if registration.created else
+               f"run {registration.run_id} is {registration.name!r} version {registration.version} already: no new "
+               "version")
+    alias = f"; alias {registration.alias!r} -> version {registration.version}" if registration.alias else ""
+    return f"{outcome}{alias}\n  load it as: {registration.uri} (MLflow store {registration.tracking_uri})"
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from pipeline.config import load_config
+    from pipeline.registry import register_source
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the resolver's downloads
+    registration = register_source(args.source, args.name, args.alias, load_config(args.config, args.overrides))
+    print(announce(registration))
+    return 0

@@ -1,0 +1,117 @@
+"""Classifying images with a trained model: top-K class names and probabilities, each image fed as
+the model's own validation fed it (``pipeline.data.images``).
+
+``ImageClassifier`` is the one implementation behind ``vitsweep predict`` and the MLflow pyfunc that
+every logged model carries (``pipeline.serving``). As timm's ``inference.py``, it reports class
+names and softmax probabilities, best first; the names are the training set's (the model's card).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from pipeline.data.images import UnreadableImageError, read_image, to_model_input
+from pipeline.errors import InvalidInputError
+from pipeline.model_card import EvalPreprocessing, ModelCard
+from pipeline.model_source import ModelSource
+
+DEFAULT_TOPK = 5
+BATCH_SIZE = 64  # images per forward pass
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One image's ``k`` most probable classes, best first: index, name and softmax probability."""
+
+    classes: tuple[int, ...]
+    labels: tuple[str, ...]
+    probabilities: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, list]:
+        return {"labels": list(self.labels), "probabilities": list(self.probabilities), "classes": list(self.classes)}
+
+
+class ImageClassifier:
+    """A model with its class names and its evaluation preprocessing: decoded RGB images in, top-K out."""
+
+    def __init__(self, model: nn.Module, card: ModelCard, preprocessing: EvalPreprocessing):
+        self.model, self.card, self.preprocessing = model.eval(), card, preprocessing
+        self.labels = card.class_names or tuple(str(index) for index in range(card.num_classes))
+
+    @classmethod
+    def of(cls, source: ModelSource, preprocessing: EvalPreprocessing | None = None) -> ImageClassifier:
+        """The source's model, fed as its card says (or as ``preprocessing`` says, at its size)."""
+        model = source.build(None if preprocessing is None else preprocessing.img_size)
+        if preprocessing is None:
+            if source.card.preprocessing is None:
+                raise InvalidInputError(f"model source {source.provenance.given!r} does not record how it was "
+                                        "evaluated (a checkpoint older than model cards); give the preprocessing")
+            preprocessing = source.card.preprocessing
+        return cls(model, source.card, preprocessing)
+
+    def check_topk(self, topk: int) -> int:
+        if not 1 <= topk <= self.card.num_classes:
+            raise InvalidInputError(f"top-k {topk}: the model has {self.card.num_classes} classes; give 1.."
+                                    f"{self.card.num_classes}")
+        return topk
+
+    def classify(self, images: Sequence[np.ndarray], topk: int = DEFAULT_TOPK) -> list[Prediction]:
+        """The ``topk`` most probable classes of each HxWx3 uint8 RGB image."""
+        topk = self.check_topk(topk)
+        found = []
+        p = self.preprocessing
+        for start in range(0, len(images), BATCH_SIZE):
+            batch = to_model_input(list(images[start:start + BATCH_SIZE]), p.img_size, p.crop_ratio, p.mean, p.std)
+            with torch.no_grad():
+                probabilities, classes = self.model(batch).float().softmax(dim=1).topk(topk, dim=1)
+            for row_probabilities, row_classes in zip(probabilities.tolist(), classes.tolist()):
+                found.append(Prediction(tuple(row_classes), tuple(self.labels[c] for c in row_classes),
+                                        tuple(row_probabilities)))
+        return found
+
+
+IMAGE_SUFFIXES = frozenset(suffix.lower() for suffix in Image.registered_extensions())
+
+
+def image_files(inputs: Sequence[str]) -> list[Path]:
+    """The files to classify: each file as given, and every file with an image suffix under each
+    directory (sorted, recursively); InvalidInputError for a path that does not exist or a directory
+    holding no image file."""
+    files: list[Path] = []
+    for given in inputs:
+        path = Path(given).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise InvalidInputError(f"directory {given!r} holds no image files (none named *.png, *.jpg, "
+                                        "*.jpeg, *.webp, ... under it)")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise InvalidInputError(f"image {given!r} does not exist")
+    return files
+
+
+def classify_files(classifier: ImageClassifier, files: Sequence[Path], topk: int
+                   ) -> Iterator[tuple[Path, Prediction | UnreadableImageError]]:
+    """Each file with its prediction, or the error that names why it is not a readable image."""
+    classifier.check_topk(topk)
+    for start in range(0, len(files), BATCH_SIZE):
+        chunk, readable = files[start:start + BATCH_SIZE], {}
+        outcomes: dict[Path, Prediction | UnreadableImageError] = {}
+        for path in chunk:
+            try:
+                readable[path] = read_image(path)
+            except UnreadableImageError as err:
+                outcomes[path] = err
+        predictions = classifier.classify(list(readable.values()), topk) if readable else []
+        outcomes.update(zip(readable, predictions))
+        for path in chunk:
+            yield path, outcomes[path]

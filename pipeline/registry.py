@@ -1,0 +1,188 @@
+"""The MLflow model registry: a run's logged model as a version of a registered model, with an alias.
+
+``vitsweep register SOURCE NAME [--alias A]`` and ``vitsweep tune ... --register NAME [--alias A]``
+register through ``register_run``: the version points at the run's MLflow 3 logged model
+(``models:/<model_id>``, so ``models:/NAME@ALIAS`` is a model source, pyfunc and servable model), and
+carries what the run knows: its description, final metrics, datasets (name and SHA-256), model and
+knobs (a sweep trial's), as the version's description and tags. A run has one version per
+registered model: registering it again finds that version (and moves the alias to it) instead of
+adding another. SOURCE is any model source (``pipeline.model_source``) that names an MLflow run, or
+a sweep (its name under ``tune.storage_path`` / ``run.storage_path``, or its directory), which
+stands for its best trial by the sweep's metric, as the sweep itself picked it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved, _validate_model_name
+
+from pipeline import uris
+from pipeline.config import ExperimentConfig, validate
+from pipeline.errors import InvalidInputError
+from pipeline.model_source import resolve_model_source
+from pipeline.tracking import (LOGGED_MODEL_NAME, MlflowRun, _fluent_tracking_uri, require_reachable,
+                               resolve_tracking_uri)
+
+REPORTED_METRICS = ("val_top1", "val_top5", "val_loss", "val_top1_ema", "val_top5_ema", "val_loss_ema", "train_loss",
+                    "epochs_trained")
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    version: str
+    alias: str | None
+    run_id: str
+    model_id: str
+    tracking_uri: str
+    created: bool  # False: the run was registered under this name already
+
+    @property
+    def uri(self) -> str:
+        """The model URI to load it by: the alias's, else the version's."""
+        return f"models:/{self.name}@{self.alias}" if self.alias else f"models:/{self.name}/{self.version}"
+
+
+def check_registry_names(name: str, alias: str | None) -> None:
+    """MLflow's own rules for a registered model's name and an alias, as bad input naming the value."""
+    try:
+        _validate_model_name(name)
+        if alias is not None:
+            _validate_model_alias_name(alias)
+            _validate_model_alias_name_reserved(alias)
+    except MlflowException as err:
+        raise InvalidInputError(f"cannot register as {name!r}" + (f" with alias {alias!r}" if alias else "")
+                                + f": {err.message}") from None
+
+
+def register_source(given: str, name: str, alias: str | None, cfg: ExperimentConfig) -> Registration:
+    """Register what ``given`` names (a run's model, or a sweep's best trial's) as a version of ``name``."""
+    check_registry_names(name, alias)
+    cfg = cfg.with_absolute_paths()
+    sweep = sweep_directory(given, cfg)
+    if sweep is not None:
+        tracking_uri, run_id = best_trial(given, sweep)
+    else:
+        provenance = resolve_model_source(given, storage_path=cfg.run.storage_path,
+                                          tracking_uri=resolve_tracking_uri(cfg)).provenance
+        if not (provenance.run_id and provenance.tracking_uri):
+            raise InvalidInputError(
+                f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
+                "registered; give its run (name or directory) or runs:/RUN_ID/model"
+            )
+        tracking_uri, run_id = provenance.tracking_uri, provenance.run_id
+    return register_run(tracking_uri, run_id, name, alias)
+
+
+def sweep_directory(given: str, cfg: ExperimentConfig) -> str | None:
+    """The sweep directory ``given`` names (its path, or its name in the sweeps' storage), if it is one."""
+    from pipeline.sweeps.runner import RECORD_NAME
+
+    if given.startswith(("runs:/", "models:/")):
+        return None
+    root = cfg.tune.storage_path or cfg.run.storage_path
+    for candidate in (uris.absolute(given), uris.join(root, given)):
+        if not uris.is_uri(candidate) and (Path(candidate) / RECORD_NAME).is_file():
+            return candidate
+    return None
+
+
+def best_trial(given: str, sweep_dir: str) -> tuple[str, str]:
+    """(tracking URI, run id) of the sweep's best trial that trained every epoch, by the sweep's metric."""
+    from pipeline.sweeps import report
+    from pipeline.sweeps.runner import RECORD_NAME
+
+    record = json.loads((Path(sweep_dir) / RECORD_NAME).read_text())
+    tune = validate(record["base_config"]).tune
+    uri, parent_id = record["tracking_uri"], record.get("parent_run_id")
+    require_reachable(uri)
+    if not parent_id:
+        raise InvalidInputError(f"sweep {given!r} ({sweep_dir}) never started a trial: nothing to register")
+    rows = report.sweep_rows(MlflowRun(uri, parent_id), tune.metric)
+    best = report.best_row(rows, tune.metric, tune.mode)
+    if best is None:
+        states = ", ".join(f"{row.trial_id} {row.state}" for row in rows) or "no trials"
+        raise InvalidInputError(f"sweep {given!r} has no trial that trained every epoch ({states}): nothing to "
+                                "register; register one of its trials' runs by its run id instead")
+    return uri, best.run_id
+
+
+def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = None) -> Registration:
+    """The run's logged model as a version of ``name`` (the run's existing version of it, if any), and
+    ``alias`` pointing at that version."""
+    check_registry_names(name, alias)
+    run = MlflowRun(tracking_uri, run_id)
+    client = run.client
+    found = run.get()
+    model_id = _logged_model(client, found)
+    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        version, created = min(existing, key=lambda v: int(v.version)), False
+    else:
+        try:
+            client.create_registered_model(name)
+        except MlflowException as err:
+            if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+        # MLflow resolves a models:/<model_id> source through the process's tracking URI.
+        with _fluent_tracking_uri(tracking_uri):
+            version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id,
+                                                  model_id=model_id, description=describe_version(found),
+                                                  tags=version_tags(found))
+        created = True
+    _list_on_logged_model(client, model_id, name, version.version)
+    if alias is not None:
+        client.set_registered_model_alias(name, alias, version.version)
+    return Registration(name, str(version.version), alias, run_id, model_id, tracking_uri, created)
+
+
+def _list_on_logged_model(client, model_id: str, name: str, version: int | str) -> None:
+    """The version in the logged model's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` (and
+    the tracking server's handler) records it: MLflow's model page reads its registrations there."""
+    listed = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    if not any(entry["name"] == name and str(entry["version"]) == str(version) for entry in listed):
+        client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*listed, {"name": name, "version": version}])})
+
+
+def _logged_model(client, run) -> str:
+    outputs = run.outputs.model_outputs if run.outputs else []
+    for output in outputs:
+        if client.get_logged_model(output.model_id).name == LOGGED_MODEL_NAME:
+            return output.model_id
+    raise InvalidInputError(f"run {run.info.run_name!r} ({run.info.run_id}, {run.info.status}) logged no model: "
+                            "only a run that finished (FINISHED, its final model logged) can be registered")
+
+
+def describe_version(run) -> str:
+    """The training run's own description, then its final metrics and where it came from."""
+    metrics = run.data.metrics
+    shown = ", ".join(f"{key} {metrics[key]:.4g}" for key in REPORTED_METRICS if key in metrics)
+    origin = f"run `{run.info.run_name}` ({run.info.run_id})"
+    if run.data.tags.get("trial_id"):
+        origin += f", trial {run.data.tags['trial_id']} of sweep `{run.data.tags.get('sweep', '?')}`"
+    return f"{run.data.tags.get('mlflow.note.content', '').strip()}\n\nFinal: {shown}. From {origin}.".strip()
+
+
+def version_tags(run) -> dict[str, str]:
+    """The run's final metrics, its datasets (name and SHA-256 per context), model and knobs."""
+    tags = {key: f"{run.data.metrics[key]:.6g}" for key in REPORTED_METRICS if key in run.data.metrics}
+    for dataset_input in run.inputs.dataset_inputs if run.inputs else []:
+        input_tags = {tag.key: tag.value for tag in dataset_input.tags}
+        context = input_tags.get("mlflow.data.context", "dataset")
+        tags[f"dataset.{context}"] = dataset_input.dataset.name
+        if "sha256" in input_tags:
+            tags[f"dataset.{context}.sha256"] = input_tags["sha256"]
+    params = run.data.params
+    for key in ("model.name", "model.args", "model.img_size"):
+        if key in params:
+            tags[key] = params[key]
+    for key in ("knobs", "sweep", "trial_id"):
+        if key in run.data.tags:
+            tags[key] = run.data.tags[key]
+    tags["run_name"] = run.info.run_name
+    return tags

@@ -1,0 +1,186 @@
+"""`vitsweep evaluate` in one process: what it measures (training's own validation path and Tally, plus the
+confusion matrix and each sample's prediction from the same pass), how MLflow records it (a run of its own
+in the model's experiment, its metrics on the logged model with the dataset), and bad input refused
+before anything is written. Exactness against a trained run's own val_top1, EMA and Ray workers:
+tests/test_after_training.py."""
+import contextlib
+import csv
+import io
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.cli import EXIT_INVALID_INPUT, main
+from pipeline.config import DataConfig
+from pipeline.data.loaders import build_val_loader
+from pipeline.data.sidecar import WriteOptions, read_sidecar
+from pipeline.data.writing import write_beton
+from pipeline.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
+from pipeline.metrics import ConfusionTally
+from pipeline.metrics import evaluate
+from test_data_images import NoiseSource
+
+
+def _evaluate(logged_run, *args: str, data: str | None = None) -> int:
+    return main(["evaluate", logged_run.model_uri, "--data", data or str(logged_run.data["val"]),
+                 "--set", f"tracking.mlflow_uri={logged_run.uri}", "--set", f"run.storage_path={logged_run.storage}",
+                 *args])
+
+
+def _evaluations(logged_run) -> list:
+    client = MlflowClient(logged_run.uri)
+    experiment = client.get_experiment_by_name("vitsweep").experiment_id
+    return client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}'", order_by=["attributes.start_time DESC"])
+
+
+def _read(logged_run, run, name: str) -> str:
+    with tempfile.TemporaryDirectory() as directory:
+        return Path(MlflowClient(logged_run.uri).download_artifacts(run.info.run_id, name, directory)).read_text()
+
+
+@pytest.fixture(scope="module")
+def evaluated(logged_run):
+    """One evaluation of the logged model on the digits val set, at a 0.875 crop: (console, its MLflow run)."""
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        assert _evaluate(logged_run, "--crop-ratio", "0.875") == 0
+    return console.getvalue(), MlflowClient(logged_run.uri).get_run(_evaluations(logged_run)[0].info.run_id)
+
+
+def test_its_metrics_are_training_validations_on_the_same_loader_and_weights(logged_run, evaluated):
+    _, run = evaluated
+    data = DataConfig(num_workers=1, val_crop_ratio=0.875)
+    loader = build_val_loader(data, logged_run.data["val"], 64, 16, "cpu")
+    expected = evaluate(logged_run.model, loader, torch.float32, torch.device("cpu"))
+    assert {key: run.data.metrics[key] for key in expected} == pytest.approx(expected, rel=1e-6)
+    assert run.data.metrics["val_top1"] == expected["val_top1"]  # counts, not floats: exactly
+
+
+def test_the_run_is_an_evaluation_in_the_models_experiment_linked_to_its_run_and_model(logged_run, evaluated):
+    _, run = evaluated
+    client = MlflowClient(logged_run.uri)
+    source = client.get_run(logged_run.run_id)
+    assert run.info.experiment_id == source.info.experiment_id and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags[ROLE_TAG], tags[SOURCE_RUN_TAG], tags[SOURCE_MODEL_TAG]) == (ROLE, logged_run.run_id,
+                                                                              logged_run.model_id)
+    assert run.info.run_name == "eval logged on val" and logged_run.run_id in tags["mlflow.note.content"]
+    assert [i.model_id for i in run.inputs.model_inputs] == [logged_run.model_id]
+    assert (run.data.params["crop_ratio"], run.data.params["img_size"], run.data.params["data.num_samples"]) == (
+        "0.875", "16", "360")
+
+
+def test_its_metrics_are_the_logged_models_on_the_dataset(logged_run, evaluated):
+    _, run = evaluated
+    (dataset,) = run.inputs.dataset_inputs
+    sha256 = read_sidecar(logged_run.data["val"]).sha256
+    assert dataset.dataset.name == "val.beton" and dataset.dataset.digest == sha256[:32]
+    assert {t.key: t.value for t in dataset.tags} == {"mlflow.data.context": "evaluation", "sha256": sha256}
+    model_metrics = MlflowClient(logged_run.uri).get_logged_model(logged_run.model_id).metrics
+    from_evaluation = {m.key: m.value for m in model_metrics if m.run_id == run.info.run_id}
+    assert from_evaluation == {key: run.data.metrics[key] for key in ("val_top1", "val_top5", "val_loss")}
+    assert {(m.dataset_name, m.dataset_digest) for m in model_metrics if m.run_id == run.info.run_id} == {
+        ("val.beton", sha256[:32])}
+
+
+def test_the_confusion_matrix_per_class_table_and_predictions_agree_with_the_metrics(logged_run, evaluated):
+    _, run = evaluated
+    confusion = list(csv.reader(io.StringIO(_read(logged_run, run, "confusion_matrix.csv"))))
+    classes = read_sidecar(logged_run.data["val"]).classes  # the data's names: its labels are the truth
+    assert confusion[0] == ["true \\ predicted", *classes] and [row[0] for row in confusion[1:]] == classes
+    counts = np.array([[int(value) for value in row[1:]] for row in confusion[1:]])
+    counts_per_class = read_sidecar(logged_run.data["val"]).counts_per_class
+    assert counts.sum(axis=1).tolist() == list(counts_per_class.values())  # every sample once
+    assert 100.0 * np.trace(counts) / counts.sum() == pytest.approx(run.data.metrics["val_top1"])
+    per_class = list(csv.DictReader(io.StringIO(_read(logged_run, run, "per_class_accuracy.csv"))))
+    assert [int(row["correct"]) for row in per_class] == np.diag(counts).tolist()
+    predictions = list(csv.DictReader(io.StringIO(_read(logged_run, run, "predictions.csv"))))
+    assert len(predictions) == 360 and [int(row["index"]) for row in predictions] == list(range(360))
+    assert sum(int(row["correct"]) for row in predictions) == np.trace(counts)
+    assert {"confusion_matrix.png", "vitsweep.log"} <= {a.path for a in MlflowClient(logged_run.uri).list_artifacts(
+        run.info.run_id)}
+
+
+def test_the_console_says_what_was_evaluated_the_metrics_and_where_they_are(evaluated):
+    console, run = evaluated
+    assert "evaluating runs:/" in console and "[mlflow_run] on" in console and "360 images, 10 classes, 16 px, crop 0.875" in console
+    assert f"val_top1 {run.data.metrics['val_top1']:.2f}%" in console and "per class (top-1): 0 " in console
+    assert "warning: the data's class names differ from the model's: 'digit 0' != '0'; " in console
+    assert f"recorded as MLflow run {run.info.run_id}" in console and "workflowType=machine_learning" in console
+
+
+@pytest.mark.slow
+def test_two_ray_workers_count_every_sample_once_as_one_process_does(logged_run, evaluated):
+    """Each worker reads its shard; rank 0's gathered result reaches the driver (Ray Train 2.60 keeps a
+    report's metrics only with a checkpoint) and is recorded as the one-process evaluation is."""
+    _, alone = evaluated
+    assert _evaluate(logged_run, "--crop-ratio", "0.875", "--workers", "2") == 0
+    on_ray = _evaluations(logged_run)[0]
+    assert on_ray.info.run_id != alone.info.run_id
+    assert on_ray.data.metrics == pytest.approx(alone.data.metrics, rel=1e-6)
+    assert on_ray.data.metrics["val_top1"] == alone.data.metrics["val_top1"]  # counts: exactly
+    assert _read(logged_run, on_ray, "predictions.csv") == _read(logged_run, alone, "predictions.csv")
+    assert _read(logged_run, on_ray, "confusion_matrix.csv") == _read(logged_run, alone, "confusion_matrix.csv")
+
+
+def test_the_confusion_tally_counts_true_against_predicted_classes():
+    tally = ConfusionTally(3)
+    tally.add(torch.tensor([[9.0, 0, 0], [0, 9.0, 0], [0, 9.0, 0], [0, 0, 9.0]]), torch.tensor([0, 1, 2, 2]))
+    assert tally.reduced(torch.device("cpu")).tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert ConfusionTally.per_class_accuracy(tally.counts) == [100.0, 100.0, 50.0]
+
+
+# -- bad input: exit 2 naming it, nothing written --------------------------------------------------
+
+
+@pytest.fixture
+def nothing_written(logged_run):
+    """Asserts after the test that the store holds no new run and the storage no new file."""
+    before = (len(_evaluations(logged_run)), sorted(logged_run.storage.rglob("*")))
+    yield
+    assert (len(_evaluations(logged_run)), sorted(logged_run.storage.rglob("*"))) == before
+
+
+@pytest.fixture(scope="module")
+def two_classes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("two-classes") / "noise.beton"
+    write_beton(NoiseSource(), path, WriteOptions(write_mode="raw"), num_workers=1)
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--crop-ratio", "1.5"], "--crop-ratio 1.5: Input should be less than or equal to 1"),
+    (["--img-size", "12"], "model.img_size=12"),
+    (["--workers", "-1"], "--workers -1: give 1 or more Ray workers"),
+    (["--batch-size", "0"], "--batch-size 0: need at least 1"),
+    (["--address", "auto"], "--address auto runs the evaluation on Ray workers: give --workers N"),
+])
+def test_a_bad_option_is_refused_naming_it(logged_run, nothing_written, capsys, args, message):
+    assert _evaluate(logged_run, *args) == EXIT_INVALID_INPUT
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_source_is_refused_naming_it(logged_run, nothing_written, capsys):
+    assert main(["evaluate", "no-such-run", "--data", str(logged_run.data["val"]),
+                 "--set", f"run.storage_path={logged_run.storage}"]) == EXIT_INVALID_INPUT
+    assert "model source 'no-such-run' does not exist" in capsys.readouterr().err
+
+
+def test_a_missing_dataset_is_refused_naming_it(logged_run, nothing_written, capsys):
+    assert _evaluate(logged_run, data=str(logged_run.storage / "x.beton")) == EXIT_INVALID_INPUT
+    assert f"dataset '{logged_run.storage / 'x.beton'}' does not exist" in capsys.readouterr().err
+
+
+def test_data_of_another_class_count_is_refused_naming_both(logged_run, nothing_written, two_classes, capsys):
+    assert main(["evaluate", logged_run.model_uri, "--data", str(two_classes),
+                 "--set", f"tracking.mlflow_uri={logged_run.uri}"]) == EXIT_INVALID_INPUT
+    assert f"classifies 10 classes but dataset '{two_classes}' has 2 (even, odd)" in capsys.readouterr().err
+
+
+def test_ema_weights_a_run_never_had_are_refused(logged_run, nothing_written, capsys):
+    assert _evaluate(logged_run, "--ema") == EXIT_INVALID_INPUT
+    assert "holds no EMA weights" in capsys.readouterr().err

@@ -1,0 +1,84 @@
+"""`vitsweep predict`: the top-K class names and probabilities of image files, as the model's validation
+would see them; an unreadable file is named and skipped, exit 1 when none could be classified, and bad
+input (a missing source, a folder without images, a top-k the model cannot give) is exit 2. Agreement
+with `vitsweep evaluate` on a trained run's validation images: tests/test_after_training.py."""
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import DIGITS
+from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
+from pipeline.data.images import read_image
+from pipeline.model_source import resolve_model_source
+from pipeline.prediction import ImageClassifier
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """A folder of three PNGs of different sizes (one in a sub-folder) and a text file."""
+    root = tmp_path_factory.mktemp("images")
+    (root / "more").mkdir()
+    paths = [root / "a.png", root / "b.png", root / "more" / "c.png"]
+    for seed, (path, size) in enumerate(zip(paths, [(16, 16), (40, 24), (9, 13)])):
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8)).save(path)
+    (root / "README.txt").write_text("not an image")
+    return root
+
+
+def _predict(logged_run, *args: str) -> int:
+    return main(["predict", logged_run.model_uri, *args, "--set", f"tracking.mlflow_uri={logged_run.uri}"])
+
+
+def test_a_folder_is_classified_recursively_with_the_models_class_names(logged_run, images, capsys):
+    assert _predict(logged_run, str(images), "--topk", "3", "--json") == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [entry["image"] for entry in found] == [str(images / "a.png"), str(images / "b.png"),
+                                                   str(images / "more" / "c.png")]  # README.txt: not by its suffix
+    source = resolve_model_source(logged_run.model_uri, storage_path=logged_run.storage, tracking_uri=logged_run.uri)
+    expected = ImageClassifier.of(source).classify([read_image(images / entry["image"]) for entry in found], 3)
+    for entry, prediction in zip(found, expected):
+        assert entry["labels"] == list(prediction.labels) and set(entry["labels"]) <= set(DIGITS)
+        assert entry["probabilities"] == pytest.approx(list(prediction.probabilities))
+        assert entry["probabilities"] == sorted(entry["probabilities"], reverse=True)
+
+
+def test_the_plain_output_is_one_line_per_image(logged_run, images, capsys):
+    assert _predict(logged_run, str(images / "a.png"), "--topk", "2") == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{images / 'a.png'}: digit ") and line.count("%") == 2
+
+
+def test_an_unreadable_file_is_named_and_skipped_and_the_rest_classified(logged_run, images, capsys):
+    assert _predict(logged_run, str(images / "README.txt"), str(images / "a.png"), "--json") == 0
+    captured = capsys.readouterr()
+    assert [entry["image"] for entry in json.loads(captured.out)] == [str(images / "a.png")]
+    assert f"'{images / 'README.txt'}' is not a readable image" in captured.err and "skipped" in captured.err
+
+
+def test_no_readable_image_at_all_exits_1(logged_run, images, capsys):
+    assert _predict(logged_run, str(images / "README.txt")) == EXIT_FAILURE
+    assert "none of the 1 file(s) is a readable image" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, message", [
+    ("empty", "directory '{root}/empty' holds no image files"),
+    ("missing.png", "image '{root}/missing.png' does not exist"),
+])
+def test_a_folder_without_images_or_a_missing_file_is_bad_input(logged_run, tmp_path, capsys, given, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("no image here")
+    assert _predict(logged_run, str(tmp_path / given)) == EXIT_INVALID_INPUT
+    assert message.format(root=tmp_path) in capsys.readouterr().err
+
+
+def test_more_classes_than_the_model_has_is_bad_input(logged_run, images, capsys):
+    assert _predict(logged_run, str(images), "--topk", "11") == EXIT_INVALID_INPUT
+    assert "top-k 11: the model has 10 classes; give 1..10" in capsys.readouterr().err
+
+
+def test_a_missing_source_is_bad_input(tmp_path, images, capsys):
+    assert main(["predict", "no-such-run", str(images), "--set", f"run.storage_path={tmp_path}"]) == EXIT_INVALID_INPUT
+    assert "model source 'no-such-run' does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,151 @@
+"""`vitsweep register`: a run's logged model becomes a version of a registered model carrying the run's
+description, metrics, datasets and knobs, an alias points at it, and `models:/NAME@ALIAS` is then a model
+source; the same run registered again adds no version; a sweep stands for its best trial that trained
+every epoch. Bad input (names MLflow refuses, a sweep with no finished trial, a source that is no run)
+is exit 2 with nothing registered. Runs are recorded as training records them, in a real sqlite store."""
+import json
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import save_model
+
+from pipeline.cli import EXIT_INVALID_INPUT, main
+from pipeline.config import load_config
+from pipeline.data.sidecar import read_sidecar
+from pipeline.model_card import ModelCard
+from pipeline.model_source import resolve_model_source
+from pipeline.modeling import build_model
+from pipeline.sweeps.tracking import open_child_run, open_parent_run
+from pipeline.tracking import MlflowStore
+
+
+def _register(store: str, *args: str) -> int:
+    return main(["register", *args, "--set", f"tracking.mlflow_uri={store}"])
+
+
+def _versions(store: str, name: str) -> list:
+    return MlflowClient(store).search_model_versions(f"name = '{name}'")
+
+
+def _listed_versions(logged_run) -> list[dict]:
+    """The versions the logged model's page shows as its registrations (MLflow's own `register_model` tag)."""
+    listed = json.loads(MlflowClient(logged_run.uri).get_logged_model(logged_run.model_id).tags["mlflow.modelVersions"])
+    return [{"name": entry["name"], "version": str(entry["version"])} for entry in listed]
+
+
+def test_a_run_registers_as_a_version_of_its_logged_model_with_its_metrics_and_datasets(logged_run, capsys):
+    assert _register(logged_run.uri, logged_run.model_uri, "digits-model", "--alias", "champion") == 0
+    assert "registered run" in capsys.readouterr().out
+    (version,) = _versions(logged_run.uri, "digits-model")
+    assert (version.run_id, version.source) == (logged_run.run_id, f"models:/{logged_run.model_id}")
+    assert (version.tags["val_top1"], version.tags["val_loss"]) == ("12.5", "2.3")
+    assert version.tags["dataset.validation"] == "val.beton"
+    assert version.tags["dataset.training.sha256"] == read_sidecar(logged_run.data["train"]).sha256
+    assert version.tags["model.name"] == "xcit_nano_12_p8" and version.tags["run_name"] == "logged"
+    assert "untrained" in version.description and "Final: val_top1 12.5" in version.description
+    assert {"name": "digits-model", "version": "1"} in _listed_versions(logged_run)
+    source = resolve_model_source("models:/digits-model@champion", storage_path=".", tracking_uri=logged_run.uri)
+    assert (source.provenance.model_id, source.provenance.registered_version) == (logged_run.model_id, "1")
+    assert all(torch.equal(source.weights[key], value) for key, value in logged_run.model.state_dict().items())
+
+
+def test_the_same_run_registered_again_adds_no_version_and_moves_the_alias(logged_run, capsys):
+    for alias in ("first", "second"):
+        assert _register(logged_run.uri, logged_run.model_uri, "twice", "--alias", alias) == 0
+    assert "is 'twice' version 1 already: no new version" in capsys.readouterr().out
+    assert len(_versions(logged_run.uri, "twice")) == 1
+    model = MlflowClient(logged_run.uri).get_registered_model("twice")
+    assert model.aliases == {"first": 1, "second": 1}
+    assert [listed for listed in _listed_versions(logged_run) if listed["name"] == "twice"] == [
+        {"name": "twice", "version": "1"}]
+
+
+# -- sweeps --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_weights(tmp_path_factory):
+    cfg = load_config("smoke")
+    model = build_model(cfg.model, 10).eval()
+    path = tmp_path_factory.mktemp("weights") / "model.safetensors"
+    save_model(model, str(path))
+    return model, path, ModelCard.of_run(cfg, 10)
+
+
+def _sweep(tmp_path, trained_weights, trials: dict[str, tuple[str, float]]) -> str:
+    """A sweep as `vitsweep tune` leaves it: its directory's record and its MLflow parent run, with a child
+    run per trial (``trial_id: (stop reason, val_top1)``); trials that trained every epoch logged their model."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = open_parent_run(store, "vitsweep", "lr-sweep")
+    model, weights, card = trained_weights
+    for trial_id, (reason, top1) in trials.items():
+        child = open_child_run(store, "vitsweep", parent.run_id, "lr-sweep", trial_id, trial_id, {"optim.lr": top1})
+        child.log_metrics({"val_top1": top1}, step=1)
+        if reason == "completed":
+            child.log_model(model, [weights], card, step=1)
+        child.end("FINISHED", reason)
+    parent.finish("FINISHED")
+    record = {"name": "lr-sweep", "tracking_uri": store, "parent_run_id": parent.run_id,
+              "base_config": load_config("smoke", [f"run.storage_path={tmp_path}"]).model_dump(mode="json")}
+    (tmp_path / "lr-sweep").mkdir()
+    (tmp_path / "lr-sweep" / "vitsweep_sweep.json").write_text(json.dumps(record))
+    return store
+
+
+def test_a_sweep_stands_for_its_best_trial_that_trained_every_epoch(tmp_path, trained_weights, capsys):
+    store = _sweep(tmp_path, trained_weights, {"t1": ("completed", 40.0), "t2": ("completed", 60.0),
+                                               "t3": ("early_stopped: ASHA stopped it after epoch 1 of 2", 90.0)})
+    assert main(["register", "lr-sweep", "lr-best", "--set", f"run.storage_path={tmp_path}"]) == 0
+    (version,) = _versions(store, "lr-best")
+    assert (version.tags["trial_id"], version.tags["sweep"], version.tags["val_top1"]) == ("t2", "lr-sweep", "60")
+    assert json.loads(version.tags["knobs"]) == {"optim.lr": 60.0}
+    assert "trial t2 of sweep `lr-sweep`" in version.description
+    assert f"load it as: models:/lr-best/1 (MLflow store {store})" in capsys.readouterr().out
+
+
+def test_a_sweep_with_no_trial_that_trained_every_epoch_is_refused_naming_its_trials(tmp_path, trained_weights,
+                                                                                     capsys):
+    store = _sweep(tmp_path, trained_weights, {"t1": ("early_stopped: ASHA stopped it after epoch 1 of 2", 90.0),
+                                               "t2": ("error: worker died", 10.0)})
+    assert main(["register", str(tmp_path / "lr-sweep"), "lr-best"]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert "sweep" in err and "has no trial that trained every epoch (" in err
+    assert "t1 early_stopped" in err and "t2 error" in err
+    assert MlflowClient(store).search_registered_models() == []
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, alias, message", [
+    ("a/b", None, "Names cannot contain '/' or ':'"),
+    ("ok", "latest", "'latest' alias name (case insensitive) is reserved"),
+    ("ok", "v2", "Version alias name 'v2' is reserved"),
+    ("ok", "no spaces", "Names may only contain alphanumerics"),
+])
+def test_names_mlflow_refuses_are_refused_before_anything_is_registered(logged_run, capsys, name, alias, message):
+    before = MlflowClient(logged_run.uri).search_registered_models()
+    assert _register(logged_run.uri, logged_run.model_uri, name, *(["--alias", alias] if alias else [])) == \
+        EXIT_INVALID_INPUT
+    assert f"cannot register as {name!r}" in (err := capsys.readouterr().err) and message in err
+    assert MlflowClient(logged_run.uri).search_registered_models() == before
+
+
+def test_a_source_that_is_no_mlflow_run_is_refused(logged_run, tmp_path, capsys):
+    assert main(["register", str(logged_run.storage / "model.safetensors"), "loose-file",
+                 "--set", f"tracking.mlflow_uri={logged_run.uri}"]) == EXIT_INVALID_INPUT
+    assert "(safetensors) names no MLflow run: only a run's logged model can be registered" in capsys.readouterr().err
+
+
+def test_a_missing_source_is_refused_naming_it(tmp_path, capsys):
+    assert main(["register", "no-such-run", "x", "--set", f"run.storage_path={tmp_path}"]) == EXIT_INVALID_INPUT
+    assert "model source 'no-such-run' does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_logged_no_model_is_refused(logged_run, capsys):
+    unfinished = MlflowStore(logged_run.uri).create_run("vitsweep", "crashed")
+    unfinished.end("FAILED", "error: out of memory")
+    assert _register(logged_run.uri, f"runs:/{unfinished.run_id}/model", "x") == EXIT_INVALID_INPUT
+    assert "logged no model named 'model'" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""Every logged model is also an MLflow pyfunc that classifies images: encoded bytes or uint8 arrays in,
+the top-K class names and probabilities out, as `vitsweep predict` gives them; `mlflow.pytorch.load_model`
+still gives the module. The model is logged by training's own `MlflowRun.log_model` into a real sqlite
+store (untrained weights: what is served is checked against the same weights, not an accuracy).
+The HTTP server (`mlflow models serve`) is exercised in tests/test_after_training.py."""
+import io
+from pathlib import Path
+
+import mlflow
+import mlflow.pyfunc
+import mlflow.pytorch
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow.exceptions import MlflowException
+from PIL import Image
+from safetensors.torch import save_model
+
+from pipeline.config import load_config
+from pipeline.model_card import ModelCard
+from pipeline.model_source import resolve_model_source
+from pipeline.modeling import build_model
+from pipeline.prediction import ImageClassifier
+from pipeline.serving import pip_requirements
+from pipeline.tracking import MlflowStore
+
+CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """(store URI, model URI, the module) of a run that logged a smoke model evaluated at a 0.875 crop."""
+    root = tmp_path_factory.mktemp("served")
+    cfg = load_config("smoke", [f"run.storage_path={root}", "data.val_crop_ratio=0.875"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(CLASSES)).eval()
+    save_model(model, str(root / "model.safetensors"))
+    uri = f"sqlite:///{root}/mlflow.db"
+    run = MlflowStore(uri).create_run("vitsweep", "served")
+    run.log_model(model, [root / "model.safetensors"], ModelCard.of_run(cfg, len(CLASSES), CLASSES), step=1)
+    return uri, f"runs:/{run.run_id}/model", model
+
+
+@pytest.fixture
+def in_store(logged, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", logged[0])  # not mlflow.set_tracking_uri: it would leak
+    return logged
+
+
+def _png(array: np.ndarray) -> bytes:
+    encoded = io.BytesIO()
+    Image.fromarray(array).save(encoded, format="PNG")
+    return encoded.getvalue()
+
+
+IMAGES = [np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+          for seed, shape in enumerate([(16, 16, 3), (30, 21, 3), (64, 64, 3)])]
+
+
+def test_the_pyfunc_classifies_encoded_images_and_arrays_as_predict_does(in_store):
+    uri, model_uri, _ = in_store
+    served = mlflow.pyfunc.load_model(model_uri).predict(
+        pd.DataFrame({"image": [_png(IMAGES[0]), IMAGES[1], _png(IMAGES[2])]}), params={"topk": 3})
+    expected = ImageClassifier.of(resolve_model_source(model_uri, storage_path=".", tracking_uri=uri)).classify(IMAGES, 3)
+    assert list(served.columns) == ["labels", "probabilities", "classes"] and len(served) == 3
+    for row, prediction in zip(served.itertuples(), expected):
+        assert list(row.labels) == list(prediction.labels) and set(row.labels) <= set(CLASSES)
+        assert list(row.classes) == list(prediction.classes)
+        np.testing.assert_allclose(row.probabilities, prediction.probabilities, rtol=1e-6)
+
+
+def test_the_pyfunc_returns_five_classes_unless_asked(in_store):
+    served = mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}))
+    assert len(served.loc[0, "labels"]) == 5 and sorted(served.loc[0, "probabilities"], reverse=True) == list(
+        served.loc[0, "probabilities"])
+
+
+def test_mlflow_pytorch_load_model_still_gives_the_module(in_store):
+    _, model_uri, model = in_store
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(mlflow.pytorch.load_model(model_uri).eval()(images), model(images))
+
+
+def test_the_logged_model_has_an_image_signature_an_input_example_and_pinned_requirements(in_store, tmp_path):
+    _, model_uri, _ = in_store
+    info = mlflow.models.get_model_info(model_uri)
+    assert info.signature.inputs.input_names() == ["image"] and info.signature.inputs.inputs[0].type.name == "binary"
+    assert [p.name for p in info.signature.params] == ["topk"]
+    assert set(info.flavors) == {"pytorch", "python_function"}
+    assert info.flavors["python_function"]["loader_module"] == "pipeline.serving"
+    example = mlflow.pyfunc.load_model(model_uri).input_example
+    assert Image.open(io.BytesIO(example["image"][0])).size == (16, 16)  # the model's own input size
+    local = Path(mlflow.artifacts.download_artifacts(f"{model_uri}/requirements.txt", dst_path=str(tmp_path)))
+    assert local.read_text().split() == pip_requirements()
+
+
+def test_an_unreadable_image_in_a_request_is_the_callers_error_naming_its_row(in_store):
+    with pytest.raises(MlflowException) as err:
+        mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0]), b"\x89PNG broken"]}))
+    assert err.value.error_code == "INVALID_PARAMETER_VALUE" and "row 1 is not a readable image" in err.value.message
+
+
+def test_more_classes_than_the_model_has_are_refused(in_store):
+    with pytest.raises(MlflowException, match="top-k 11: the model has 10 classes"):
+        mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}), params={"topk": 11})
