@@ -54,16 +54,11 @@ def write_bytes(location: str, data: bytes) -> None:
     """``data`` as the file at ``location`` (a local path or a URI), its parent created; a local
     file appears complete or not at all (written beside, then renamed), as an object store's does."""
     if not is_uri(location):
-        from pipeline.data.atomic import partial_path, publish
+        from pipeline.data.atomic import write_bytes_atomically
 
         final = Path(location)
         final.parent.mkdir(parents=True, exist_ok=True)
-        partial = partial_path(final)
-        try:
-            partial.write_bytes(data)
-            publish(partial, final)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_bytes_atomically(final, data)
         return
     fs, path = _filesystem(location)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)

@@ -188,23 +188,34 @@ def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> I
         try:
             def healthy() -> bool:
                 assert process.poll() is None, f"mlflow server exited with {process.returncode}: {log.read_text()[-3000:]}"
-                try:
-                    with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
-                        return response.status == 200
-                except OSError:
-                    return False
+                return answers_200(f"{uri}/health")
 
             wait_for(healthy, 120, f"mlflow server at {uri} to answer /health")
             yield uri
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
-                pass
-            with contextlib.suppress(ProcessLookupError):  # whatever of its own group is left
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            stop_process_group(process)
+
+
+def answers_200(url: str) -> bool:
+    """Whether ``url`` answers HTTP 200 now (a server still starting does not)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the whole process group of ``process`` (started with ``start_new_session``), then
+    SIGKILL to whatever of it is left."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # its worker processes may ignore SIGTERM while busy
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
 
 
 # Set to a value of its own in each background command's environment, which every process it starts

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, readme_block, run_vitsweep, tune_command, vitsweep_env, wait_for
+from conftest import (answers_200, free_port, readme_block, run_vitsweep, stop_process_group, tune_command, vitsweep_env,
+                      wait_for)
 from pipeline.cli import main
 from pipeline.data.sidecar import read_sidecar
 
@@ -215,22 +215,13 @@ def served(after_training):
 
     def answers() -> bool:
         assert process.poll() is None, (after_training.home / "serve.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return answers_200(f"http://127.0.0.1:{port}/ping")
 
     try:
         wait_for(answers, 300, f"`mlflow models serve` on port {port}")
         yield port
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+        stop_process_group(process)
         log.close()
 
 

@@ -34,10 +34,14 @@ def publish(partial: Path, final: Path) -> None:
     fsync_directory(final.parent)
 
 
-def write_text_atomically(final: Path, text: str) -> None:
+def write_bytes_atomically(final: Path, data: bytes) -> None:
     partial = partial_path(final)
     try:
-        partial.write_text(text)
+        partial.write_bytes(data)
         publish(partial, final)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def write_text_atomically(final: Path, text: str) -> None:
+    write_bytes_atomically(final, text.encode())
