@@ -238,3 +238,16 @@ def test_gcp_nodes_use_gvnic_and_a2_gets_the_local_ssd_count_gce_allows(name):
 # number of Local SSD disks", cloud.google.com/compute/docs/disks/local-ssd): a2-highgpu-8g takes 8.
 GCE_LOCAL_SSD_COUNTS = {"a2-highgpu-1g": (1, 2, 4, 8), "a2-highgpu-2g": (2, 4, 8), "a2-highgpu-4g": (4, 8),
                         "a2-highgpu-8g": (8,), "a2-megagpu-16g": (8,)}
+
+
+@pytest.mark.parametrize("name", sorted(PAIRED_JOB))
+def test_every_nodes_cache_directory_is_writable_by_the_containers_user_head_included(name):
+    """The image's VITSWEEP_CACHE_DIR is a bind mount on every node; the driver on the head keeps its record
+    of verified datasets there, so the host directory is made world-writable before any early exit of the
+    command that prepares it (the head has no local disks to assemble)."""
+    config = launcher(name)
+    [host] = [option.split()[1].split(":")[0] for option in config["docker"]["run_options"]
+              if option.startswith("-v ") and option.split()[1].endswith(":/mnt/local-nvme")]
+    script = "\n".join(config["initialization_commands"])
+    chmod = script.find(f"chmod 1777 {host}")
+    assert chmod >= 0 and (script.find("exit 0") < 0 or chmod < script.find("exit 0")), script

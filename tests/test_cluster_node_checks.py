@@ -42,12 +42,16 @@ class Node:
     kind: str
     has_gpus: bool
     mounts_shared_filesystem: bool
+    # the launchers' `-v ...:/mnt/local-nvme` on every node (head included), mode 1777 from their initialization_commands
+    mounts_node_cache: bool
     shell: bool
 
 
-LAUNCHER_HEAD = Node("launcher head", has_gpus=False, mounts_shared_filesystem=True, shell=True)
-LAUNCHER_GPU_WORKER = Node("launcher GPU worker", has_gpus=True, mounts_shared_filesystem=True, shell=True)
-INIT_CONTAINER = Node("KubeRay init container", has_gpus=True, mounts_shared_filesystem=False, shell=False)
+LAUNCHER_HEAD = Node("launcher head", has_gpus=False, mounts_shared_filesystem=True, mounts_node_cache=True, shell=True)
+LAUNCHER_GPU_WORKER = Node("launcher GPU worker", has_gpus=True, mounts_shared_filesystem=True, mounts_node_cache=True,
+                           shell=True)
+INIT_CONTAINER = Node("KubeRay init container", has_gpus=True, mounts_shared_filesystem=False, mounts_node_cache=False,
+                      shell=False)
 LAUNCHER_NODES = {"head_setup_commands": LAUNCHER_HEAD, "worker_setup_commands": LAUNCHER_GPU_WORKER}
 
 
@@ -110,6 +114,8 @@ def node_process(node: Node, command: str) -> subprocess.Popen:
         "mount -t tmpfs -o mode=755 node-mnt /mnt",
         *(["mkdir /mnt/shared", "mount -t tmpfs -o mode=1777 shared-filesystem /mnt/shared"]
           if node.mounts_shared_filesystem else []),
+        *(["mkdir /mnt/local-nvme", "mount -t tmpfs -o mode=1777 node-cache /mnt/local-nvme"]
+          if node.mounts_node_cache else []),
         "mount -o remount,ro /mnt",
         "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
         *([f"chown {IMAGE_USER[0]}:{IMAGE_USER[1]} /home/ray"] if user else []),
