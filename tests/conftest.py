@@ -196,6 +196,19 @@ def mlflow_server(log: Path, *args: str, env: dict[str, str] | None = None) -> I
             stop_process_group(process)
 
 
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """This (spawned) process as ``rank`` of a gloo process group on loopback ``port``, for the block."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def answers_200(url: str) -> bool:
     """Whether ``url`` answers HTTP 200 now (a server still starting does not)."""
     try:

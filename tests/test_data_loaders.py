@@ -1,15 +1,13 @@
 """FFCV loaders per split: batches, thread count, and exact coverage over 2 real gloo ranks."""
 import json
-import os
-import socket
 
 import numba
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from conftest import free_port, gloo_rank
 from pipeline.config import AugmentConfig, DataConfig
 from pipeline.data.loaders import build_train_loader, build_val_loader, rank_sample_count
 from pipeline.data.sources import DigitsSource, ImageSource
@@ -94,16 +92,8 @@ def test_rank_sample_counts_cover_the_dataset_exactly():
             assert sum(counts) == size and max(counts) - min(counts) <= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _rank(rank, world_size, port, train_path, val_path, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         data = DataConfig(num_workers=1, augment=PLAIN, order="random", drop_last=True)
         train = build_train_loader(data, train_path, batch_size=8, img_size=8, device="cpu", distributed=True, seed=7)
         epochs = [[int(label) for _, labels in train for label in labels] for _ in range(2)]
@@ -120,8 +110,6 @@ def _rank(rank, world_size, port, train_path, val_path, out_dir):
             quasi_random_error = str(err)
         record = {"epochs": epochs, "val_real": real, "val_padded": padded, "quasi_random_error": quasi_random_error}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +118,7 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     write_beton(IndexLabelledSource(48), root / "train.beton", num_workers=1)
     write_beton(IndexLabelledSource(45), root / "val.beton", num_workers=1)  # odd: ffcv pads one rank
-    torch_mp.spawn(_rank, args=(2, _free_port(), root / "train.beton", root / "val.beton", root), nprocs=2)
+    torch_mp.spawn(_rank, args=(2, free_port(), root / "train.beton", root / "val.beton", root), nprocs=2)
     return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -2,15 +2,13 @@
 of the five best, padding rows never count, and the ranks' sums are added before dividing."""
 import json
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch import nn
 
-from conftest import free_port
+from conftest import free_port, gloo_rank
 from pipeline.metrics import Tally, evaluate
 
 NUM_CLASSES = 10
@@ -107,9 +105,7 @@ RUNNING_MEANS = {0: 0.0, 1: 4.0}  # each rank's BatchNorm saw other batches
 
 
 def _evaluate_on_rank(rank: int, world_size: int, port: int, out_dir) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         plain = evaluate(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
         model = _normalised(RUNNING_MEANS[rank])
         normalised = evaluate(model, SHARDS[rank], torch.float32, torch.device("cpu"))
@@ -117,8 +113,6 @@ def _evaluate_on_rank(rank: int, world_size: int, port: int, out_dir) -> None:
         record = {"plain": plain, "normalised": normalised, "running_mean": model.running_mean.tolist(),
                   "samples_past_float32": past_float32}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
