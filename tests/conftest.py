@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# An in-process ray.init (the tests that call a command's main) sets these in this process's
+# environment for the processes Ray starts; a command a later test runs must not inherit them, as a
+# user's shell would not have them (RAY_AUTH_MODE=token, for one, silences Ray's token-auth notice).
+_SET_BY_RAY_INIT = {"RAY_AUTH_MODE", "PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED"} - set(os.environ)
 
 import contextlib
 import signal
@@ -112,7 +116,8 @@ def free_port() -> int:
 
 
 def vitsweep_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MLFLOW_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "MLFLOW_")) and k not in _SET_BY_RAY_INIT}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
