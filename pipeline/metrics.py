@@ -10,9 +10,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from timm.utils import distribute_bn
 
-DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
-
-
 @dataclass
 class Tally:
     """Sums over samples; ``reduced()`` adds every rank's sums, ``means()`` turns them into metrics."""

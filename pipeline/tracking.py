@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import mlflow.pytorch
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, LoggedModelInput, Metric, Param, Run, RunTag
@@ -35,13 +34,13 @@ from pipeline.config import ExperimentConfig, location_problem, uri_password_pro
 from pipeline.console import library_prints, say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
-from pipeline.metrics import DIVERGED_KEY
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
 
 DEFAULT_STORE_NAME = "mlflow.db"
 LOGGED_MODEL_NAME = "model"  # each run's MLflow model: runs:/<run_id>/model
 LOGGED_MODEL_FILES = "extra_files"  # where mlflow.pytorch keeps a logged model's extra files (its weights)
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
+DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf
 DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
 # early_stopped: ... for trials their scheduler stopped.

@@ -33,9 +33,10 @@ from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
 from pipeline.losses import build_training_loss
 from pipeline.lr_scaling import effective_lr
-from pipeline.metrics import DIVERGED_KEY, evaluate
+from pipeline.metrics import evaluate
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
+from pipeline.tracking import DIVERGED_KEY
 from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
 
 

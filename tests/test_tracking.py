@@ -1,6 +1,9 @@
 """MLflow helpers: the final model is logged without leaking a tracking URI into the process; a URI
 never carries a password into params or output."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -59,3 +62,14 @@ def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_f
     history = run.metric_history("system/node0/cpu_utilization_percentage")
     assert len(history) == 1 and 0 <= history[0].value <= 100
     assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0
+
+
+def test_the_callbacks_ray_trains_controller_unpickles_import_no_deep_learning_library():
+    """Ray Train's controller imports the modules of its callbacks (the epoch logger; a sweep trial's
+    report to Tune) before it starts any worker: torch, timm or ffcv there would add seconds to every
+    run's start on a small machine."""
+    probe = ("import sys, pipeline.tracking, pipeline.sweeps.reporting; "
+             "print(sorted({'torch', 'timm', 'ffcv', 'deepspeed'} & set(sys.modules)))")
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parents[1]).stdout.strip()
+    assert imported == "[]"

@@ -25,9 +25,10 @@ def _run(args: argparse.Namespace) -> int:
 
     with command_console(args.verbose) as console:
         from pipeline.driver import train_from_config
-        from pipeline.tracking import where_to_look
 
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
+        from pipeline.tracking import where_to_look  # after the start: MLflow takes seconds to import
+
         metrics = outcome.metrics
         console.line(
             f"\nfinished {outcome.run_name}: val_top1 {metrics.get('val_top1', float('nan')):.2f}%  "

@@ -13,7 +13,6 @@ from pipeline.config import DataConfig, ExperimentConfig
 from pipeline.console import active_console
 from pipeline.data.sidecar import WriteOptions, sidecar_path
 from pipeline.data.sources import DigitsSource
-from pipeline.data.writing import write_beton
 from pipeline.errors import InvalidInputError
 from pipeline.uris import is_uri
 
@@ -39,6 +38,10 @@ def prepare_digits(data: DataConfig, img_size: int, num_workers: int | None = No
                     "sidecar (not written by vitsweep); remove it or unset data.prepare"
                 )
             if not path.exists():
+                # Here, not at the top: ffcv's writer (numba) takes seconds to import, on the path to
+                # Ray's start of every run that has its dataset already.
+                from pipeline.data.writing import write_beton
+
                 source = DigitsSource(split, img_size)
                 active_console().line(f"writing the offline digits dataset, {split} split: {len(source)} images at "
                                       f"{img_size} px -> {path}")

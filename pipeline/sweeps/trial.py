@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray import tune
-from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.metrics import DIVERGED_KEY
 from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
 from pipeline.sweeps.planning import resolve_trial
+from pipeline.sweeps.reporting import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, short_keys
-from pipeline.sweeps.tracking import EPOCHS_DONE, open_child_run
+from pipeline.sweeps.tracking import open_child_run
 from pipeline.transfer import saved_initial_weights, sweep_source_location
 
 
@@ -43,21 +42,6 @@ class SweepPlan:
     trial_storage: str  # where each trial's Ray Train run lives (local path or URI), one dir per trial id
     source: str = "vitsweep tune"  # the sweep's command line (MLflow's Source of each trial)
     init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.transfer)
-
-
-class SweepReportCallback(TuneReportCallback):
-    """Ray Train -> Tune, adding ``epochs_done``; a divergence report is not a result.
-
-    The diverged worker reports no metrics (Tune would reject the result); the trial then fails
-    through ``fit_and_record`` (MLflow FAILED) and Tune records the error, the sweep goes on.
-    """
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        reported = metrics[0]
-        if reported.get(DIVERGED_KEY):
-            return
-        super().after_report(run_context, [{**reported, EPOCHS_DONE: int(reported["epoch"])}, *metrics[1:]],
-                             checkpoint)
 
 
 def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:
