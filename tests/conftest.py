@@ -251,8 +251,10 @@ def readme_block(heading: str) -> list[str]:
 @pytest.fixture(scope="session")
 def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
-    venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` and a 2-trial fine-tuning sweep from it.
-    Their store (``./vitsweep-runs``) and each command's output; the MLflow UI check browses the same store."""
+    venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` (with an EMA) and a 2-trial fine-tuning sweep
+    from it that registers its best trial. Their store (``./vitsweep-runs``) and each command's output; the
+    MLflow UI check browses the same store, and README "After training" continues in the same directory
+    (``test_after_training``), as a user would."""
     root = tmp_path_factory.mktemp("readme-finetuning")
     env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     results = []

@@ -1,5 +1,6 @@
-"""README "After training", run verbatim (the ``after_training`` fixture: train, evaluate, register, evaluate the
-registered model's EMA on 2 Ray workers, export the validation images, predict; the sweep's `--register`): the
+"""README "After training", run verbatim (the ``after_training`` fixture: after README "Fine-tuning"'s pre-training
+and its sweep with `--register`, in the same directory: evaluate, register, evaluate the registered model's EMA
+on 2 Ray workers, export the validation images, predict): the
 evaluation of a run's own validation set gives exactly its final val_top1 (and its EMA's), prediction agrees
 with evaluation image by image, the registry round-trip carries the run's metrics and dataset, and the
 README's `mlflow models serve` answers its image request on loopback."""
@@ -21,16 +22,16 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import (answers_200, free_port, readme_block, run_vitsweep, stop_process_group, tune_command, vitsweep_env,
+from conftest import (answers_200, free_port, readme_block, stop_process_group, vitsweep_env,
                       wait_for)
 from pipeline.cli import main
 from pipeline.data.sidecar import read_sidecar
 
 pytestmark = pytest.mark.slow
 
-RUN, REGISTERED, VAL = "xcit-digits", "digits-classifier", "vitsweep-runs/data/digits_16_val.beton"
+RUN, REGISTERED, VAL = "digits16", "digits-classifier", "vitsweep-runs/data/digits_16_val.beton"
 AFTER_TRAINING = "## After training"
-AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL = "qkv-sweep", "qkv-best"
+SWEEP_MODEL = "digits16-finetuned"  # what README "Fine-tuning"'s sweep registers its best trial as
 
 
 def readme_shell_env() -> dict[str, str]:
@@ -40,9 +41,9 @@ def readme_shell_env() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class AfterTraining:
-    """A user's directory after README "After training"'s ``vitsweep`` commands, run verbatim in it
-    (the serving lines are run by the serving test), plus a 2-trial, 1-epoch sweep over the QKV
-    embedding in the same store whose best trial `vitsweep tune --register` registered."""
+    """A user's directory after README "Fine-tuning"'s commands (its pre-training run, the model here,
+    and its 2-trial sweep, whose best trial `vitsweep tune --register` registered) and then "After
+    training"'s ``vitsweep`` commands, run verbatim in it (the serving lines are run by the serving test)."""
 
     home: Path
     commands: dict[str, subprocess.CompletedProcess]  # each README command that ran, by its text
@@ -63,10 +64,10 @@ class AfterTraining:
 
 
 @pytest.fixture(scope="module")
-def after_training(tmp_path_factory) -> AfterTraining:
-    home = tmp_path_factory.mktemp("after-training")
-    env, commands = readme_shell_env(), {}
-    timings = (home / "commands.log").open("w", buffering=1)  # each command's wall time, for whoever sizes the suite
+def after_training(readme_finetuning) -> AfterTraining:
+    storage, (_, sweep) = readme_finetuning
+    home, env, commands = storage.parent, readme_shell_env(), {}
+    timings = (home / "commands.log").open("a", buffering=1)  # each command's wall time, for whoever sizes the suite
     for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
         started = time.monotonic()
         commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
@@ -74,17 +75,7 @@ def after_training(tmp_path_factory) -> AfterTraining:
         timings.write(f"{time.monotonic() - started:7.1f} s  {command}\n")
         assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
                                                    commands[command].stderr[-3000:])
-    storage = home / "vitsweep-runs"
-    data = {split: storage / "data" / f"digits_16_{split}.beton" for split in ("train", "val")}
-    space = home / "qkv.yaml"
-    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
-    started = time.monotonic()
-    sweep = run_vitsweep([*tune_command(storage, data, space, "optim.epochs=1", f"tune.name={AFTER_TRAINING_SWEEP}",
-                                        "tune.scheduler=fifo"), "--register", AFTER_TRAINING_SWEEP_MODEL,
-                          "--alias", "best"], timeout=1200)
-    timings.write(f"{time.monotonic() - started:7.1f} s  vitsweep tune (2 trials) --register\n")
     timings.close()
-    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
     return AfterTraining(home, commands, sweep)
 
 
@@ -112,7 +103,7 @@ def test_evaluating_a_run_on_its_own_validation_set_gives_exactly_its_final_val_
     assert (evaluated["val_top1"], evaluated["val_top5"]) == (trained.data.metrics["val_top1"],
                                                               trained.data.metrics["val_top5"])
     assert evaluated["val_loss"] == pytest.approx(trained.data.metrics["val_loss"], rel=1e-4)
-    console = after_training.command("vitsweep evaluate xcit-digits").stdout
+    console = after_training.command(f"vitsweep evaluate {RUN}").stdout
     assert f"val_top1 {trained.data.metrics['val_top1']:.2f}%" in console and "per class (top-1): 0 " in console
 
 
@@ -184,16 +175,16 @@ def test_registering_the_run_again_adds_no_version(store, after_training, capsys
 def test_the_sweep_registered_its_best_trial_and_registering_the_sweep_again_adds_no_version(store, after_training,
                                                                                             capsys):
     client = store[0]
-    assert f"registered run " in after_training.sweep.stdout and f"models:/{AFTER_TRAINING_SWEEP_MODEL}@best" in \
+    assert f"registered run " in after_training.sweep.stdout and f"models:/{SWEEP_MODEL}@best" in \
         after_training.sweep.stdout
-    (parent,) = client.search_runs([store[1].info.experiment_id], f"attributes.run_name = '{AFTER_TRAINING_SWEEP}'")
-    (version,) = client.search_model_versions(f"name = '{AFTER_TRAINING_SWEEP_MODEL}'")
+    (parent,) = client.search_runs([store[1].info.experiment_id], "tags.`vitsweep.role` = 'sweep'")
+    (version,) = client.search_model_versions(f"name = '{SWEEP_MODEL}'")
     assert version.run_id == parent.data.tags["best_run_id"] and version.tags["trial_id"] == parent.data.tags[
         "best_trial_id"]
-    assert main(["register", AFTER_TRAINING_SWEEP, AFTER_TRAINING_SWEEP_MODEL,
+    assert main(["register", parent.info.run_name, SWEEP_MODEL,
                  "--set", f"run.storage_path={after_training.storage}"]) == 0
     assert "already: no new version" in capsys.readouterr().out
-    assert len(client.search_model_versions(f"name = '{AFTER_TRAINING_SWEEP_MODEL}'")) == 1
+    assert len(client.search_model_versions(f"name = '{SWEEP_MODEL}'")) == 1
 
 
 # -- serving -----------------------------------------------------------------------------------------------
