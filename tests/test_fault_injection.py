@@ -86,28 +86,6 @@ def test_a_signal_while_a_sweep_starts_its_ray_exits_with_its_code_and_leaves_no
     wait_for(lambda: not sweep.processes(), 30, "every process the command started to end")
 
 
-def test_a_killed_driver_leaves_no_unregistered_checkpoint_after_the_resume(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=3")
-    driver = RunningVitsweep(args)
-    driver.wait_for_line("(checkpoint saved)")
-    driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
-    driver.finish(timeout=60)
-    (run,) = _runs(storage)
-    assert run.info.status == "RUNNING"
-    orphan = storage / "resumed" / "checkpoint_2000-01-01_00-00-00.000000"  # as a kill mid-report leaves one
-    orphan.mkdir(parents=True)
-    (orphan / "mp_rank_00_model_states.pt").write_bytes(b"")
-
-    result = run_vitsweep(args)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "(resumed from a checkpoint)" in result.stdout
-    (run,) = _runs(storage)
-    assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
-    assert not orphan.exists()
-    assert len([path for path in (storage / "resumed").glob("checkpoint_*") if path.is_dir()]) <= 2  # run.num_to_keep
-
-
 def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp_path, digits16):
     storage = tmp_path / "runs"
     driver = RunningVitsweep(train_command(storage, digits16, "run.name=lost-worker", "optim.epochs=30",
@@ -201,28 +179,50 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
     assert unregistered_checkpoints(storage / "full") == []
 
 
-def test_a_corrupt_latest_checkpoint_is_named_and_skipped_for_the_newest_intact_one(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    args = train_command(storage, digits16, "run.name=damaged", "optim.epochs=4")
+@pytest.fixture(scope="module")
+def killed_and_rerun(tmp_path_factory, digits16):
+    """A run whose driver was SIGKILLed after two epochs, its newest checkpoint then truncated (as a write
+    cut short leaves it) and an unregistered checkpoint directory added (as a kill mid-report leaves one),
+    then the same command again. (storage, the re-run's result, the epoch of the damaged checkpoint, the
+    orphan's path, the MLflow run as the kill left it.)"""
+    storage = tmp_path_factory.mktemp("killed") / "runs"
+    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4")
     driver = RunningVitsweep(args)
     driver.wait_for_line("epoch 2/4  train_loss")  # two checkpoints registered
-    driver.process.kill()
+    driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
     driver.finish(timeout=60)
-    checkpoints = {read_meta(path)["epoch"]: path for path in (storage / "damaged").glob("checkpoint_*")
+    (killed,) = _runs(storage)
+    checkpoints = {read_meta(path)["epoch"]: path for path in (storage / "resumed").glob("checkpoint_*")
                    if path.is_dir()}  # by epoch index (from 0); the kill may come after a third
     newest_epoch = max(checkpoints)
-    newest = checkpoints[newest_epoch]
-    states = next(newest.rglob("*model_states.pt"))
+    states = next(checkpoints[newest_epoch].rglob("*model_states.pt"))
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
-
+    orphan = storage / "resumed" / "checkpoint_2000-01-01_00-00-00.000000"
+    orphan.mkdir(parents=True)
+    (orphan / "mp_rank_00_model_states.pt").write_bytes(b"")
     result = run_vitsweep(args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"warning: checkpoint {newest} is corrupt" in result.stdout
+    return storage, result, checkpoints[newest_epoch], newest_epoch, orphan, killed
+
+
+def test_a_killed_drivers_rerun_finishes_its_run_and_leaves_no_unregistered_checkpoint(killed_and_rerun):
+    storage, result, _, _, orphan, killed = killed_and_rerun
+    assert killed.info.status == "RUNNING"
+    assert "(resumed from a checkpoint)" in result.stdout
     (run,) = _runs(storage)
-    assert run.info.status == "FINISHED"
+    assert run.info.run_id == killed.info.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
+    assert not orphan.exists()
+    assert len([path for path in (storage / "resumed").glob("checkpoint_*") if path.is_dir()]) <= 2  # run.num_to_keep
+
+
+def test_a_corrupt_latest_checkpoint_is_named_and_skipped_for_the_newest_intact_one(killed_and_rerun):
+    storage, result, damaged, damaged_epoch, _, _ = killed_and_rerun
+    assert f"warning: checkpoint {damaged} is corrupt" in result.stdout
+    (run,) = _runs(storage)
     resumed = MlflowClient(f"sqlite:///{storage}/mlflow.db").get_metric_history(run.info.run_id, "resumed_at_epoch")
     # from the checkpoint before it: the damaged checkpoint's epoch (counted from 1) is trained again
-    assert [m.value for m in resumed] == [newest_epoch + 1]
+    assert [m.value for m in resumed] == [damaged_epoch + 1]
 
 
 def test_a_dataset_changed_after_its_sidecar_was_written_is_refused_before_any_worker(tmp_path, digits16):
