@@ -35,17 +35,16 @@ from pipeline.console import library_prints, say
 from pipeline.data.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
+from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
 
 DEFAULT_STORE_NAME = "mlflow.db"
 LOGGED_MODEL_NAME = "model"  # each run's MLflow model: runs:/<run_id>/model
 LOGGED_MODEL_FILES = "extra_files"  # where mlflow.pytorch keeps a logged model's extra files (its weights)
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
-DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf
 DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
 # early_stopped: ... for trials their scheduler stopped.
 STOP_REASON_TAG = "stop_reason"
-INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:

@@ -36,7 +36,7 @@ from pipeline.lr_scaling import effective_lr
 from pipeline.metrics import evaluate
 from pipeline.modeling import build_model
 from pipeline.optim import build_ema, build_optimizer, build_scheduler
-from pipeline.tracking import DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
 
 
@@ -199,7 +199,7 @@ class Trainer:
     def train_epochs(self) -> None:
         # A run started from trained weights first evaluates them as loaded, before any step (reported
         # with its first epoch as initial_val_*, MLflow's step 0).
-        initial = ({f"initial_{key}": value for key, value in self.evaluate(with_ema=False).items()}
+        initial = ({f"{INITIAL_PREFIX}{key}": value for key, value in self.evaluate(with_ema=False).items()}
                    if self.plan.init_weights is not None and self.start_epoch == 0 else {})
         if initial and self.rank == 0 and self.plan.announce:
             say(f"epoch 0/{self.cfg.optim.epochs}  the initial weights, before any step:  val_loss "

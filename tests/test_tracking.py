@@ -64,12 +64,17 @@ def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_f
     assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0
 
 
-def test_the_callbacks_ray_trains_controller_unpickles_import_no_deep_learning_library():
+def _imported(modules: str, libraries: set[str]) -> list[str]:
+    """Which of ``libraries`` importing ``modules`` imports, in a fresh interpreter."""
+    probe = f"import sys, {modules}; print(sorted(set({sorted(libraries)}) & set(sys.modules)))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parents[1]).stdout.strip()
+
+
+def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs_start():
     """Ray Train's controller imports the modules of its callbacks (the epoch logger; a sweep trial's
-    report to Tune) before it starts any worker: torch, timm or ffcv there would add seconds to every
-    run's start on a small machine."""
-    probe = ("import sys, pipeline.tracking, pipeline.sweeps.reporting; "
-             "print(sorted({'torch', 'timm', 'ffcv', 'deepspeed'} & set(sys.modules)))")
-    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parents[1]).stdout.strip()
-    assert imported == "[]"
+    report to Tune) before it starts any worker, and each worker the recipe's before its first line:
+    torch, timm or ffcv in the first, MLflow in the second (a node's system-metrics monitor imports it on a
+    thread of its own) would add seconds to every run's start on a small machine."""
+    assert _imported("pipeline.tracking, pipeline.sweeps.reporting", {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
+    assert _imported("pipeline.worker", {"mlflow"}) == "[]"

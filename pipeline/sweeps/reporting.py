@@ -11,7 +11,7 @@ from typing import Any
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline.sweeps.tracking import EPOCHS_DONE
-from pipeline.tracking import DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_KEY
 
 
 class SweepReportCallback(TuneReportCallback):

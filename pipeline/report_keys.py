@@ -1,0 +1,7 @@
+"""Keys of what the workers report each epoch (``ray.train.report``) beside the metrics themselves,
+shared by the worker that writes them and the controller's callbacks that read them
+(``pipeline.tracking``, ``pipeline.sweeps.reporting``). A module of its own, importing nothing: the
+workers would otherwise import MLflow, and the controller torch, on the way to every run's first step."""
+
+DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
+INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step
