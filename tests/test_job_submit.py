@@ -71,7 +71,7 @@ def _stop_cluster_under(ray_dir: str, gcs_port: int) -> None:
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=30)
+    _, alive = psutil.wait_procs(processes, timeout=10)  # some of Ray's processes outlast a SIGTERM for good
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
