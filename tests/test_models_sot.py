@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import timm
@@ -17,7 +18,8 @@ from models.layers.heads import (
     create_classifier_head,
     isqrt_newton_schulz,
 )
-from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP
+from models.layers.mgcrp import CROSS_COV_NORMS, MGCrP, create_cross_cov_norm
+from models.layers.svpn import SvPN
 from models.measure import build_on_meta, count_gmacs, count_params
 from models.sot import DenseNetTokenEmbed, sinusoid_position_table
 
@@ -274,12 +276,55 @@ def test_head_passes_mgcrp_centre_to_its_pooling():
 def test_mgcrp_exact_svpn_normalises_each_head_matrix():
     torch.manual_seed(0)
     raw = MGCrP(16, num_heads=2, m=4, n=4, norm="none")
-    exact = MGCrP(16, num_heads=2, m=4, n=4, norm="svpn", alpha=0.5)
+    exact = MGCrP(16, num_heads=2, m=4, n=4, norm="svpn", alpha=0.75)  # not the default α: it is passed on
     exact.proj.load_state_dict(raw.proj.state_dict())
     tokens = _tokens(dim=16)
     u, s, vh = torch.linalg.svd(raw(tokens).view(2, 2, 4, 4))
-    expected = (u * s.sqrt().unsqueeze(-2)) @ vh
+    expected = (u * s.pow(0.75).unsqueeze(-2)) @ vh
     torch.testing.assert_close(exact(tokens), expected.flatten(1), atol=1e-5, rtol=1e-5)
+
+
+def test_mgcrp_defaults_are_the_papers_six_heads_of_14x14_under_the_fast_svpn():
+    pool = MGCrP(16)
+    assert (pool.num_heads, pool.m, pool.n, pool.repr_size, pool.centre) == (6, 14, 14, 6 * 14 * 14, True)
+    assert pool.proj.bias is None and MGCrP(16, bias=True).proj.bias is not None  # Eq. 2 has no bias
+    assert isinstance(pool.norm, SvPN)
+    assert (pool.norm.exact, pool.norm.alpha, pool.norm.num_sv, pool.norm.iters) == (False, 0.5, 1, 1)  # Table 4c
+
+
+def test_each_svpn_normalisation_gets_the_exponent_and_iteration_counts_it_is_given():
+    fast = create_cross_cov_norm("svpn_approx", 4, 4, alpha=0.3, num_sv=2, iters=3)
+    assert (fast.exact, fast.alpha, fast.num_sv, fast.iters) == (False, 0.3, 2, 3)
+    exact = create_cross_cov_norm("svpn", 4, 4, alpha=0.3)
+    assert (exact.exact, exact.alpha) == (True, 0.3)
+
+
+@pytest.mark.parametrize("name", ["num_heads", "m", "n"])
+def test_mgcrp_sizes_below_one_are_refused_naming_them_and_one_is_accepted(name):
+    with pytest.raises(ValueError, match=rf"^MGCrP {name}=0 is invalid; it must be >= 1$"):
+        MGCrP(16, norm="none", **{name: 0})
+    pool = MGCrP(16, norm="none", **{name: 1})
+    assert pool(_tokens(dim=16)).shape == (2, pool.repr_size)
+
+
+def test_an_unknown_cross_covariance_normalisation_is_refused_listing_the_valid_ones():
+    with pytest.raises(ValueError) as refused:
+        create_cross_cov_norm("batchnorm", 4, 4)
+    assert str(refused.value) == ("unknown cross-covariance normalisation norm='batchnorm'; "
+                                  "valid: svpn_approx, svpn, none, scale, epn, ln")
+
+
+def test_the_learned_scale_starts_at_one_over_root_m_and_multiplies_by_it():
+    q = torch.randn(2, 16, 4)
+    torch.testing.assert_close(create_cross_cov_norm("scale", 16, 4)(q), q / 4)  # the authors' 1/sqrt(m)
+
+
+def test_epn_is_the_signed_square_root_of_each_entry_then_l2_per_matrix():
+    q = torch.randn(3, 4, 5, dtype=torch.float64)
+    q[0, 0, 0] = 1e-8  # where the eps inside the root (1e-8) is as large as the entry
+    signed_root = torch.sign(q) * torch.sqrt(q.abs() + 1e-8)
+    expected = signed_root / signed_root.flatten(1).norm(dim=1).view(3, 1, 1)
+    torch.testing.assert_close(create_cross_cov_norm("epn", 4, 5)(q), expected)
 
 
 def test_gcp_square_root_converges_to_the_matrix_square_root():
@@ -365,7 +410,8 @@ def test_sot_head_kwargs_are_all_accepted():
         ({"pooling": "gcp", "gcp_scale": "trace"}, "gcp_scale"),
         ({"mgcrp_width": 3}, "mgcrp_width"),
     ],
-    ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
+    # ids of words only: a regex's brackets and spaces in an id break selecting the test by it (mutmut does)
+    ids=lambda v: "_".join(re.findall(r"\w+", v)) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
 )
 def test_invalid_head_configuration_raises_naming_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
