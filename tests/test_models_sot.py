@@ -297,6 +297,8 @@ def test_each_svpn_normalisation_gets_the_exponent_and_iteration_counts_it_is_gi
     assert (fast.exact, fast.alpha, fast.num_sv, fast.iters) == (False, 0.3, 2, 3)
     exact = create_cross_cov_norm("svpn", 4, 4, alpha=0.3)
     assert (exact.exact, exact.alpha) == (True, 0.3)
+    default = create_cross_cov_norm("svpn_approx", 4, 4)
+    assert (default.alpha, default.num_sv, default.iters) == (0.5, 1, 1)
 
 
 @pytest.mark.parametrize("name", ["num_heads", "m", "n"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.layers.svpn import SvPN, svpn_approx, svpn_exact
+from models.layers.svpn import SvPN, _power_divided_difference, svpn_approx, svpn_exact
 
 
 def _random_orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -151,17 +151,73 @@ def test_svpn_rejects_alpha_outside_zero_one(alpha):
         SvPN(num_cols=4, alpha=alpha)
 
 
+def test_svpn_accepts_alpha_one_the_identity_end_of_its_range():
+    q = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(SvPN(num_cols=4, alpha=1.0, exact=True)(q), q, atol=1e-5, rtol=1e-5)
+
+
+def test_svpn_defaults_are_the_papers_fast_form_one_singular_value_one_iteration():
+    norm = SvPN(num_cols=4)
+    assert (norm.alpha, norm.exact, norm.num_sv, norm.iters, norm.eps) == (0.5, False, 1, 1, 1e-5)
+    assert list(SvPN(num_cols=4, exact=True).parameters()) == []  # only the fast form learns v⁽⁰⁾
+    q, v0 = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(2)), norm.v0.detach()
+    torch.testing.assert_close(svpn_approx(q, v0), svpn_approx(q, v0, 0.5, 1, 1, 1e-5))
+    torch.testing.assert_close(svpn_exact(q), svpn_exact(q, 0.5, 1e-5))
+
+
+def test_svpn_passes_its_eps_to_the_fast_forms_remainder():
+    q = torch.diag(torch.tensor([1e-4, 5e-5, 0.0])).unsqueeze(0)  # a remainder beside λ₁: where eps divides
+    norm = SvPN(num_cols=3, eps=1e-1)
+    norm.v0.data = torch.tensor([1.0, 0.0, 0.0])
+    reference = svpn_approx(q, norm.v0, 0.5, 1, 1, 1e-1)
+    assert not torch.allclose(reference, svpn_approx(q, norm.v0, 0.5, 1, 1))  # eps matters here
+    torch.testing.assert_close(norm(q), reference)
+
+
+def test_svpn_passes_its_eps_to_the_exact_forms_backward():
+    q = torch.diag(torch.tensor([1.0, 1e-3, 0.0], dtype=torch.float64)).unsqueeze(0)  # near-zero singular values
+    cotangent = torch.randn(1, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def gradient(norm_or_eps):
+        x = q.clone().requires_grad_()
+        out = norm_or_eps(x) if callable(norm_or_eps) else svpn_exact(x, 0.5, norm_or_eps)
+        (grad,) = torch.autograd.grad((out * cotangent).sum(), x)
+        return grad
+
+    assert not torch.allclose(gradient(1e-1), gradient(1e-5))  # eps matters here
+    torch.testing.assert_close(gradient(SvPN(num_cols=3, exact=True, eps=1e-1)), gradient(1e-1))
+
+
+@pytest.mark.parametrize("name", ["num_sv", "iters"])
+def test_svpn_counts_below_one_are_refused_naming_them(name):
+    with pytest.raises(ValueError, match=rf"^svPN {name}=0 is invalid; it must be >= 1$"):
+        SvPN(num_cols=4, **{name: 0})
+
+
 def test_svpn_rejects_more_singular_values_than_the_matrix_has():
-    with pytest.raises(ValueError, match="num_sv"):
-        SvPN(num_cols=3, num_sv=4, iters=2)(torch.randn(2, 3, 3))
+    with pytest.raises(ValueError, match=r"^svPN num_sv=4 exceeds min\(m, n\)=3 of the \(3, 5\) input$"):
+        SvPN(num_cols=5, num_sv=4, iters=2)(torch.randn(2, 3, 5))
+    q = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(3))
+    assert SvPN(num_cols=5, num_sv=3, iters=2)(q).shape == q.shape  # as many as it has: accepted
+
+
+def test_the_divided_difference_of_nearly_equal_values_is_the_taylor_limit():
+    t = torch.tensor([1.0, 1.0 + 5e-4, 2.0], dtype=torch.float64)  # 1 and 1+5e-4: the close branch
+    for p in (0.25, 0.75, 1.5):
+        expected = (t.unsqueeze(-2) ** p - t.unsqueeze(-1) ** p) / (t.unsqueeze(-2) - t.unsqueeze(-1))
+        expected.diagonal().copy_(p * t ** (p - 1))  # the limit where t_i = t_j
+        torch.testing.assert_close(_power_divided_difference(t, p), expected, rtol=1e-7, atol=1e-12)  # x² terms: ~1e-8
 
 
 @pytest.mark.parametrize("num_sv", [2, 3])
 def test_approx_svpn_refuses_several_singular_values_from_one_iteration(num_sv):
     # One iteration leaves a deflated matrix that maps v⁽⁰⁾ to zero: the later triplets would be noise.
-    undefined = rf"num_sv={num_sv} \(svpn_num_sv\) and iters=1 \(svpn_iters\) is undefined"
-    with pytest.raises(ValueError, match=undefined):
+    with pytest.raises(ValueError) as refused:
         SvPN(num_cols=5, num_sv=num_sv, iters=1)
+    assert str(refused.value) == (
+        f"approximate svPN with num_sv={num_sv} (svpn_num_sv) and iters=1 (svpn_iters) is undefined: after one power "
+        "iteration the deflated matrix maps v⁽⁰⁾ to exactly zero, so every singular value after the first would come "
+        "from rounding noise; use iters >= 2, num_sv=1 or the exact svPN")
 
 
 def test_exact_svpn_does_not_refuse_the_approximation_knobs_it_ignores():
