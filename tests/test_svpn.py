@@ -234,3 +234,11 @@ def test_svpn_computes_in_float32_for_bfloat16_autocast(exact):
     assert low.dtype == torch.bfloat16
     # Exactly the float32 result rounded once to bfloat16: any step in bfloat16 would round earlier.
     assert torch.equal(low, norm(q.bfloat16().float()).bfloat16())
+
+
+def test_fast_svpn_of_a_bfloat16_module_computes_in_float32_with_its_initial_vector_cast():
+    # DeepSpeed's bf16 training holds the module itself in bfloat16, v⁽⁰⁾ included, without autocast.
+    q = torch.randn(4, 6, 6, generator=torch.Generator().manual_seed(8))
+    low = SvPN(num_cols=6).to(torch.bfloat16)
+    reference = svpn_approx(q.bfloat16().float(), low.v0.float())
+    assert torch.equal(low(q.bfloat16()), reference.bfloat16())
