@@ -201,8 +201,11 @@ def test_layer_decay_learning_rates_grow_with_depth_to_the_full_rate_at_the_head
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_layer_decay_keeps_the_same_weights_exempt_from_weight_decay(family):
+def test_layer_decay_keeps_the_same_weights_exempt_from_weight_decay_and_decays_the_rest_at_the_configs_rate(family):
     model = build_model(model_config(family), 10)
+    decays = {g["weight_decay"] for g in build_optimizer(model, OptimConfig(layer_decay=0.75, weight_decay=0.123),
+                                                         lr=1e-3).param_groups}
+    assert decays == {0.0, 0.123}
 
     def exempt(cfg: OptimConfig) -> set[str]:
         groups = build_optimizer(model, cfg, lr=1e-3).param_groups
