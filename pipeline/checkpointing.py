@@ -21,7 +21,7 @@ import os
 import pickle
 import random
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,24 +294,25 @@ def _check_torch_archive(path: Path) -> None:
         raise CorruptCheckpointError(f"checkpoint file {str(path)!r}: entry {bad!r} fails its CRC-32 check")
 
 
-def checkpoints_newest_first(run_dir: str | Path) -> list[Path]:
-    """The vitsweep checkpoints in a Ray Train run directory, latest epoch first (then latest written)."""
+def checkpoints_newest_first(run_dir: str | Path, ignore: Collection[Path] = ()) -> list[Path]:
+    """The vitsweep checkpoints in a Ray Train run directory but ``ignore``, latest epoch first (then
+    latest written)."""
     def epoch(directory: Path) -> int:
         try:
             return int(read_meta(directory).get("epoch", -1))
         except (InvalidInputError, TypeError, ValueError):
             return -1  # unreadable metadata sorts last; verification names the problem
 
-    found = [d for d in Path(run_dir).iterdir() if d.is_dir() and (d / META_FILE).exists()]
+    found = [d for d in Path(run_dir).iterdir() if d.is_dir() and (d / META_FILE).exists() and d not in ignore]
     return sorted(found, key=lambda d: (epoch(d), (d / META_FILE).stat().st_mtime_ns), reverse=True)
 
 
-def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_intact_checkpoint(run_dir: str | Path, ignore: Collection[Path] = ()) -> Path | None:
     """The newest checkpoint in ``run_dir`` that passes ``verify_checkpoint``; each newer one that
     does not is named in a warning. None when there is none."""
     if not Path(run_dir).is_dir():
         return None
-    for directory in checkpoints_newest_first(run_dir):
+    for directory in checkpoints_newest_first(run_dir, ignore):
         try:
             verify_checkpoint(directory)
         except CorruptCheckpointError as err:
@@ -339,16 +340,16 @@ def checkpoint_to_resume(handed: str | Path | None, run_dir: str | Path | None) 
         return fallback
 
 
-def check_run_checkpoints(run_dir: str | Path) -> Path | None:
-    """Before any worker starts: the newest intact checkpoint a re-run of ``run_dir`` can resume
-    from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
+def check_run_checkpoints(run_dir: str | Path, ignore: Collection[Path] = ()) -> Path | None:
+    """Before any worker starts: the newest intact checkpoint but ``ignore`` a re-run of ``run_dir``
+    can resume from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
     CorruptCheckpointError when it has checkpoints but none is intact."""
     if not Path(run_dir).is_dir():
         return None
-    found = checkpoints_newest_first(run_dir)
+    found = checkpoints_newest_first(run_dir, ignore)
     if not found:
         return None
-    intact = latest_intact_checkpoint(run_dir)
+    intact = latest_intact_checkpoint(run_dir, ignore)
     if intact is None:
         try:
             verify_checkpoint(found[0])

@@ -179,13 +179,16 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> N
     """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
     named and skipped; none intact is bad input): it must be this model's. One stopped before its
     first checkpoint starts again from epoch 1, which is said."""
-    intact = check_run_checkpoints(run_dir) if (run_dir / CHECKPOINT_SNAPSHOT).exists() else None
+    registered = (run_dir / CHECKPOINT_SNAPSHOT).exists()
+    # a directory Ray never registered (a kill mid-report) is never resumed from: the run removes it
+    unregistered = unregistered_checkpoints(run_dir) if registered else []
+    intact = check_run_checkpoints(run_dir, unregistered) if registered else None
     if intact is None:
         if read_run_record(run_dir) is not None:  # it was started: its MLflow run continues
             active_console().line(f"run {cfg.run.name} was started before, but no checkpoint was saved: "
                                   "starting from epoch 1")
         return
-    newest = checkpoints_newest_first(run_dir)[0]
+    newest = checkpoints_newest_first(run_dir, unregistered)[0]
     if intact != newest:
         active_console().line(f"warning: checkpoint {newest} is corrupt (see the log); resuming from {intact.name}")
     check_same_model(read_meta(intact), model_identity(cfg.model, num_classes), str(intact))

@@ -13,6 +13,7 @@ from pipeline.checkpointing import (
     MANIFEST_PREFIX,
     check_run_checkpoints,
     checkpoint_to_resume,
+    checkpoints_newest_first,
     latest_intact_checkpoint,
     load_checkpoint,
     model_identity,
@@ -170,6 +171,16 @@ def test_a_rerun_is_told_before_any_worker_which_intact_checkpoint_it_resumes(ru
     with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
         assert check_run_checkpoints(run_dir) == run_dir / "checkpoint_epoch0"
     assert "vitsweep_manifest_rank0.json" in caplog.text
+
+
+def test_a_rerun_checks_only_the_checkpoints_it_may_resume(run_dir):
+    """A newer directory Ray never registered (a kill mid-report) is neither resumed nor the newest."""
+    unregistered = [run_dir / "checkpoint_epoch1"]
+    assert check_run_checkpoints(run_dir, ignore=unregistered) == run_dir / "checkpoint_epoch0"
+    assert checkpoints_newest_first(run_dir, ignore=unregistered) == [run_dir / "checkpoint_epoch0"]
+    _model_states(run_dir / "checkpoint_epoch0").write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match=r"none of the 1 checkpoints.*checkpoint_epoch0"):
+        check_run_checkpoints(run_dir, ignore=unregistered)  # the intact one it may not resume is no rescue
 
 
 def test_a_rerun_whose_checkpoints_are_all_corrupt_is_refused_before_any_worker(run_dir):

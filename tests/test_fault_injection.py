@@ -3,6 +3,7 @@ reason, the console's last line says what happened, and nothing half-written is 
 The finished run a refused re-run must leave alone is a ZeRO-3 run with --verbose: its final weights,
 gathered from both ranks, and its console are checked here too."""
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from ray.train import Result
 from safetensors.torch import load_model
 
 from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command, wait_for
@@ -191,18 +193,22 @@ def killed_and_rerun(tmp_path_factory, digits16):
     driver.wait_for_line("epoch 2/4  train_loss")  # two checkpoints registered
     driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
     driver.finish(timeout=60)
+    # Ray's fate-sharing ends the workers a moment later: until then one may still write a checkpoint
+    wait_for(lambda: not driver.processes(), 60, "every process the killed command started to end")
     (killed,) = _runs(storage)
-    checkpoints = {read_meta(path)["epoch"]: path for path in (storage / "resumed").glob("checkpoint_*")
-                   if path.is_dir()}  # by epoch index (from 0); the kill may come after a third
-    newest_epoch = max(checkpoints)
-    states = next(checkpoints[newest_epoch].rglob("*model_states.pt"))
-    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
+    # Ray's newest registered checkpoint: a kill during the third epoch's report may leave a newer
+    # directory it never registered, which a resume never picks (the re-run removes it)
+    newest = Path(Result.from_path(str(storage / "resumed")).checkpoint.path)
+    newest_epoch = read_meta(newest)["epoch"]  # counted from 0
+    # an intact directory Ray never registered, the newest by its write: a resume must neither pick it
+    # nor let it hide the damage below
     orphan = storage / "resumed" / "checkpoint_2000-01-01_00-00-00.000000"
-    orphan.mkdir(parents=True)
-    (orphan / "mp_rank_00_model_states.pt").write_bytes(b"")
+    shutil.copytree(newest, orphan, copy_function=shutil.copy)  # written now: newer than the original
+    states = next(newest.rglob("*model_states.pt"))
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
     result = run_vitsweep(args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return storage, result, checkpoints[newest_epoch], newest_epoch, orphan, killed
+    return storage, result, newest, newest_epoch, orphan, killed
 
 
 def test_a_killed_drivers_rerun_finishes_its_run_and_leaves_no_unregistered_checkpoint(killed_and_rerun):
