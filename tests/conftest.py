@@ -1,5 +1,10 @@
 """Shared test setup: keep the 2-core machine usable and runs isolated from the user's stores."""
+import faulthandler
 import os
+
+# Enabled before pytest's own handler, which then hands back to it: a native crash while the interpreter
+# exits, after the last test, still prints every thread's stack.
+faulthandler.enable()
 
 # DeepSpeed must pick its CPU accelerator in tests even where a GPU happens to be visible.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -22,6 +22,7 @@ from pipeline.data.writing import write_beton
 from pipeline.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.metrics import ConfusionTally
 from pipeline.metrics import evaluate
+from conftest import VITSWEEP, run_vitsweep
 from test_data_images import NoiseSource
 
 
@@ -118,7 +119,12 @@ def test_two_ray_workers_count_every_sample_once_as_one_process_does(logged_run,
     """Each worker reads its shard; rank 0's gathered result reaches the driver (Ray Train 2.60 keeps a
     report's metrics only with a checkpoint) and is recorded as the one-process evaluation is."""
     _, alone = evaluated
-    assert _evaluate(logged_run, "--crop-ratio", "0.875", "--workers", "2") == 0
+    # in a process of its own, as a user runs it: Ray's native threads outlive ray.shutdown() in the
+    # process that started it, and this one's exit would race them
+    result = run_vitsweep([VITSWEEP, "evaluate", logged_run.model_uri, "--data", str(logged_run.data["val"]),
+                           "--set", f"tracking.mlflow_uri={logged_run.uri}",
+                           "--set", f"run.storage_path={logged_run.storage}", "--crop-ratio", "0.875", "--workers", "2"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     on_ray = _evaluations(logged_run)[0]
     assert on_ray.info.run_id != alone.info.run_id
     assert on_ray.data.metrics == pytest.approx(alone.data.metrics, rel=1e-6)
