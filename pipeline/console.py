@@ -48,6 +48,8 @@ def quiet_environment() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # spot preemption only; logs an error line
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's boxed output; the sweep prints its own table
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # vitsweep prints its own links
+    # else MLflow's own stderr handler prints "Creating initial MLflow database tables..." for a new store
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # it would send each of our lines twice
     os.environ.setdefault("TQDM_DISABLE", "1")  # unlabelled library bars (ffcv's writer); vitsweep says what it writes
 
