@@ -60,7 +60,11 @@ def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
     storage, result = asha_sweep
     _, _, children = _runs(storage)
     assert "sweep asha (finished)" in result.stdout
-    assert "knob importance for val_top1: only lr_per_512 varies: nothing to rank it against" in result.stdout
+    # ASHA may stop every trial after the first (trials run one at a time): then one value completed
+    completed = {_lr(r) for r in children.values() if r.data.tags["stop_reason"] == "completed"}
+    why = ("only lr_per_512 varies: nothing to rank it against" if len(completed) > 1
+           else "no knob varies over the completed trials")
+    assert f"knob importance for val_top1: {why}" in result.stdout
     assert all(trial_id in result.stdout for trial_id in children)
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout
 
