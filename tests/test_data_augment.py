@@ -340,3 +340,62 @@ def test_an_odd_batch_with_mixup_is_refused_naming_its_size():
 def test_a_misspelt_rand_augment_spec_is_a_config_error():
     with pytest.raises(ValueError, match="rand-m9-mstd0.5-inc1"):
         AugmentConfig(rand_augment="rand-x9")
+
+
+# -- the draws beyond DeiT's spec, and histogram ops on the images where PIL's special cases apply -----
+
+def test_a_uniform_magnitude_spec_draws_each_magnitude_in_zero_to_m():
+    # timm: mstd above 100 means uniform in [0, m] (random.uniform), drawn per sample and layer
+    draws = BatchRandAugment("rand-m9-mstd101", 32, MEAN).draw(20_000)
+    magnitudes = draws.magnitudes
+    assert magnitudes.shape == (20_000, 2) and magnitudes.dtype == torch.float64
+    assert magnitudes.min().item() >= 0.0 and magnitudes.max().item() <= 9.0
+    assert abs(magnitudes.mean().item() - 4.5) < 0.05 and len(magnitudes.unique()) > 30_000
+    again = BatchRandAugment("rand-m9-mstd101", 32, MEAN).draw(20_000).magnitudes
+    assert torch.equal(magnitudes, again)  # from the seeded generator
+
+
+def test_draws_are_float64_as_timms_python_floats_and_signs_are_exactly_plus_or_minus_one():
+    # a float32 magnitude can round a level (posterize's bits, a solarize threshold) off timm's value
+    draws = BatchRandAugment(DEIT, 32, MEAN).draw(1000)
+    assert draws.magnitudes.dtype == torch.float64
+    assert set(draws.signs.unique().tolist()) == {-1.0, 1.0}
+
+
+def test_magnitudes_below_zero_are_clipped_to_zero_as_timm_clips_them():
+    magnitudes = BatchRandAugment("rand-m1-mstd5", 32, MEAN).draw(20_000).magnitudes
+    assert magnitudes.min().item() == 0.0
+    assert abs((magnitudes == 0).double().mean().item() - 0.42) < 0.02  # P(N(1, 5) < 0) = 0.42
+
+
+def test_the_weighted_choice_follows_the_seed():
+    ops = [BatchRandAugment("rand-m9-n3-tweights", 32, MEAN, seed=seed).draw(64).ops for seed in (5, 5, 6)]
+    assert torch.equal(ops[0], ops[1]) and not torch.equal(ops[0], ops[2])
+
+
+def _edge_case_images() -> list[np.ndarray]:
+    """Images where PIL's equalize and autocontrast take their special branches: a flat channel, two
+    adjacent levels, two levels far apart, too few pixels for a step (8x8: step 0), a step of 1 (16x16),
+    and a brightest level used by one pixel only."""
+    rng = np.random.default_rng(0)
+    images = []
+    for size in (8, 16, 20):
+        image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        image[..., 0] = 77  # flat
+        image[..., 1] = np.where(rng.random((size, size)) < 0.5, 100, 101)  # two adjacent levels
+        images.append(image)
+        lonely = rng.integers(0, 200, (size, size, 3), dtype=np.uint8)
+        lonely[..., 1] = 50  # with the pixel below: one level and a single other pixel
+        lonely[..., 2] = np.where(rng.random((size, size)) < 0.8, 10, 240)  # two levels far apart
+        lonely[0, 0] = 255  # the last used level has one pixel
+        images.append(lonely)
+    return images
+
+
+@pytest.mark.parametrize("name", ["Equalize", "AutoContrast"])
+def test_histogram_ops_match_pil_where_its_special_cases_apply(name):
+    op, _ = OPS[name]
+    for image in _edge_case_images():
+        ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), None, FILL)[0]
+        np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy().astype(int), _timm_op(name, image, None),
+                                      err_msg=f"{image.shape}")
