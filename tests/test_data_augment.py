@@ -399,3 +399,36 @@ def test_histogram_ops_match_pil_where_its_special_cases_apply(name):
         ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), None, FILL)[0]
         np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy().astype(int), _timm_op(name, image, None),
                                       err_msg=f"{image.shape}")
+
+
+def test_color_matches_pil_on_every_rgb_value_whose_grayscale_pil_rounds_up():
+    # PIL's L = (19595 R + 38470 G + 7471 B + 32768) >> 16: these 247 colours sit one short of the next level
+    r, g, b = np.meshgrid(np.arange(256), np.arange(256), np.arange(256), indexing="ij")
+    edge = ((r * 19595 + g * 38470 + b * 7471 + 32768) % 65536) == 65535
+    colours = np.stack([r[edge], g[edge], b[edge]], axis=-1).astype(np.uint8)
+    image = np.resize(colours, (16 * 16, 3)).reshape(16, 16, 3)
+    op, _ = OPS["Color"]
+    ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), torch.tensor([0.1], dtype=torch.float64), FILL)
+    np.testing.assert_array_equal(ours[0].permute(1, 2, 0).numpy().astype(int), _timm_op("Color", image, 0.1))
+
+
+@pytest.mark.parametrize("name", ["TranslateXRel", "TranslateYRel"])
+def test_relative_translations_scale_by_their_own_side_on_a_non_square_image(name):
+    image = _photo(0, size=48)[:32]  # 32 high, 48 wide
+    op, _ = OPS[name]
+    ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), torch.tensor([0.3], dtype=torch.float64), FILL)
+    np.testing.assert_array_equal(ours[0].permute(1, 2, 0).numpy().astype(int), _timm_op(name, image, 0.3))
+
+
+def test_a_one_channel_uint8_batch_is_refused_naming_its_shape():
+    with pytest.raises(ValueError, match=r"uint8 \[B, 3, H, W\] batch, got torch.uint8 \(2, 1, 8, 8\)"):
+        BatchRandAugment(DEIT, 32, MEAN)(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
+
+
+def test_a_spec_that_is_not_randaugment_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"not a timm RandAugment spec: 'augmix-m5'"):
+        parse_policy("augmix-m5", 32, MEAN)
+
+
+def test_the_fill_colour_follows_the_configs_mean():
+    assert BatchRandAugment(DEIT, 32, (0.1, 0.2, 0.3)).fill.tolist() == [26.0, 51.0, 76.0]  # round(255 x mean)
