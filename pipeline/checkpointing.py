@@ -295,8 +295,8 @@ def _check_torch_archive(path: Path) -> None:
 
 
 def checkpoints_newest_first(run_dir: str | Path, ignore: Collection[Path] = ()) -> list[Path]:
-    """The vitsweep checkpoints in a Ray Train run directory but ``ignore``, latest epoch first (then
-    latest written)."""
+    """The vitsweep checkpoints in a Ray Train run directory (leaving out ``ignore``), latest epoch
+    first (then latest written)."""
     def epoch(directory: Path) -> int:
         try:
             return int(read_meta(directory).get("epoch", -1))
@@ -341,8 +341,8 @@ def checkpoint_to_resume(handed: str | Path | None, run_dir: str | Path | None) 
 
 
 def check_run_checkpoints(run_dir: str | Path, ignore: Collection[Path] = ()) -> Path | None:
-    """Before any worker starts: the newest intact checkpoint but ``ignore`` a re-run of ``run_dir``
-    can resume from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
+    """Before any worker starts: the newest intact checkpoint (leaving out ``ignore``) a re-run of
+    ``run_dir`` can resume from (newer corrupt ones are named in warnings), None when it has no checkpoint, and a
     CorruptCheckpointError when it has checkpoints but none is intact."""
     if not Path(run_dir).is_dir():
         return None

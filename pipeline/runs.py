@@ -179,10 +179,10 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, num_classes: int) -> N
     """A run restarted under the same name resumes its newest intact checkpoint (a corrupt one is
     named and skipped; none intact is bad input): it must be this model's. One stopped before its
     first checkpoint starts again from epoch 1, which is said."""
-    registered = (run_dir / CHECKPOINT_SNAPSHOT).exists()
-    # a directory Ray never registered (a kill mid-report) is never resumed from: the run removes it
-    unregistered = unregistered_checkpoints(run_dir) if registered else []
-    intact = check_run_checkpoints(run_dir, unregistered) if registered else None
+    # a directory Ray never registered (a kill mid-report; all of them without Ray's snapshot) is never
+    # resumed from: the run removes it
+    unregistered = unregistered_checkpoints(run_dir)
+    intact = check_run_checkpoints(run_dir, unregistered)
     if intact is None:
         if read_run_record(run_dir) is not None:  # it was started: its MLflow run continues
             active_console().line(f"run {cfg.run.name} was started before, but no checkpoint was saved: "

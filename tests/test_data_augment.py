@@ -392,13 +392,17 @@ def _edge_case_images() -> list[np.ndarray]:
     return images
 
 
+def _op_on(name: str, image: np.ndarray, argument: float | None) -> np.ndarray:
+    """Our op ``name`` on one HWC image at ``argument`` (the level's output), as an HWC int array."""
+    op, _ = OPS[name]
+    arguments = None if argument is None else torch.tensor([argument], dtype=torch.float64)
+    return op(_batch_of([image]).float(), arguments, FILL)[0].permute(1, 2, 0).numpy().astype(int)
+
+
 @pytest.mark.parametrize("name", ["Equalize", "AutoContrast"])
 def test_histogram_ops_match_pil_where_its_special_cases_apply(name):
-    op, _ = OPS[name]
     for image in _edge_case_images():
-        ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), None, FILL)[0]
-        np.testing.assert_array_equal(ours.permute(1, 2, 0).numpy().astype(int), _timm_op(name, image, None),
-                                      err_msg=f"{image.shape}")
+        np.testing.assert_array_equal(_op_on(name, image, None), _timm_op(name, image, None), err_msg=f"{image.shape}")
 
 
 def test_color_matches_pil_on_every_rgb_value_whose_grayscale_pil_rounds_up():
@@ -407,17 +411,13 @@ def test_color_matches_pil_on_every_rgb_value_whose_grayscale_pil_rounds_up():
     edge = ((r * 19595 + g * 38470 + b * 7471 + 32768) % 65536) == 65535
     colours = np.stack([r[edge], g[edge], b[edge]], axis=-1).astype(np.uint8)
     image = np.resize(colours, (16 * 16, 3)).reshape(16, 16, 3)
-    op, _ = OPS["Color"]
-    ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), torch.tensor([0.1], dtype=torch.float64), FILL)
-    np.testing.assert_array_equal(ours[0].permute(1, 2, 0).numpy().astype(int), _timm_op("Color", image, 0.1))
+    np.testing.assert_array_equal(_op_on("Color", image, 0.1), _timm_op("Color", image, 0.1))
 
 
 @pytest.mark.parametrize("name", ["TranslateXRel", "TranslateYRel"])
 def test_relative_translations_scale_by_their_own_side_on_a_non_square_image(name):
     image = _photo(0, size=48)[:32]  # 32 high, 48 wide
-    op, _ = OPS[name]
-    ours = op(torch.from_numpy(image).permute(2, 0, 1)[None].float(), torch.tensor([0.3], dtype=torch.float64), FILL)
-    np.testing.assert_array_equal(ours[0].permute(1, 2, 0).numpy().astype(int), _timm_op(name, image, 0.3))
+    np.testing.assert_array_equal(_op_on(name, image, 0.3), _timm_op(name, image, 0.3))
 
 
 def test_a_one_channel_uint8_batch_is_refused_naming_its_shape():

@@ -26,10 +26,13 @@ from conftest import VITSWEEP, run_vitsweep
 from test_data_images import NoiseSource
 
 
+def _evaluate_args(logged_run, *args: str, data: str | None = None) -> list[str]:
+    return ["evaluate", logged_run.model_uri, "--data", data or str(logged_run.data["val"]),
+            "--set", f"tracking.mlflow_uri={logged_run.uri}", "--set", f"run.storage_path={logged_run.storage}", *args]
+
+
 def _evaluate(logged_run, *args: str, data: str | None = None) -> int:
-    return main(["evaluate", logged_run.model_uri, "--data", data or str(logged_run.data["val"]),
-                 "--set", f"tracking.mlflow_uri={logged_run.uri}", "--set", f"run.storage_path={logged_run.storage}",
-                 *args])
+    return main(_evaluate_args(logged_run, *args, data=data))
 
 
 def _evaluations(logged_run) -> list:
@@ -121,9 +124,7 @@ def test_two_ray_workers_count_every_sample_once_as_one_process_does(logged_run,
     _, alone = evaluated
     # in a process of its own, as a user runs it: Ray's native threads outlive ray.shutdown() in the
     # process that started it, and this one's exit would race them
-    result = run_vitsweep([VITSWEEP, "evaluate", logged_run.model_uri, "--data", str(logged_run.data["val"]),
-                           "--set", f"tracking.mlflow_uri={logged_run.uri}",
-                           "--set", f"run.storage_path={logged_run.storage}", "--crop-ratio", "0.875", "--workers", "2"])
+    result = run_vitsweep([VITSWEEP, *_evaluate_args(logged_run, "--crop-ratio", "0.875", "--workers", "2")])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     on_ray = _evaluations(logged_run)[0]
     assert on_ray.info.run_id != alone.info.run_id
