@@ -138,6 +138,11 @@ def train_command(storage: Path, data: dict[str, Path], *overrides: str, config:
     return args
 
 
+# Two one-worker trials at once on 2 cores (each trial's function is idle while its worker trains), for a
+# sweep whose trials' order does not matter to its test: about a quarter less wall time than one at a time.
+TWO_TRIALS_AT_ONCE = ("tune.trial_cpus=0.5", "scaling.cpus_per_worker=0.5")
+
+
 def tune_command(storage, data, space, *overrides) -> list[str]:
     """`vitsweep tune` on the smoke model with one worker per trial, writing only under ``storage``."""
     args = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import mlflow_server, run_vitsweep, train_command, wait_for
+from conftest import TWO_TRIALS_AT_ONCE, mlflow_server, run_vitsweep, train_command, tune_command, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
-from test_tune_e2e import tune_command
 from webdriver import PARALLEL_COORDINATES_JS
 
 pytestmark = pytest.mark.slow
@@ -44,7 +43,7 @@ def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str], str]:
     space = storage / "qkv.yaml"
     space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
     sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
-                                      "tune.scheduler=fifo"), timeout=1200)
+                                      "tune.scheduler=fifo", *TWO_TRIALS_AT_ONCE), timeout=1200)
     assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
     links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1),
              "summary": SUMMARY_LINK.search(sweep.stdout).group(1)}

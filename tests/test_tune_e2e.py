@@ -14,7 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_model
 
-from conftest import VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command, vitsweep_env
+from conftest import (TWO_TRIALS_AT_ONCE, VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command,
+                      vitsweep_env)
 from pipeline.config import load_config
 from pipeline.modeling import build_model
 
@@ -50,7 +51,8 @@ def asha_sweep(tmp_path_factory, digits16):
     space.write_text("fixed:\n  optim.lr: null\n"
                      "params:\n  optim.lr_per_512: {values: [3.2e-2, 2.4e-2, 1.6e-2, 1.6e-6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
-                                       "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"),
+                                       "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2",
+                                       *TWO_TRIALS_AT_ONCE),
                           timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return storage, result
@@ -60,7 +62,7 @@ def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
     storage, result = asha_sweep
     _, _, children = _runs(storage)
     assert "sweep asha (finished)" in result.stdout
-    # ASHA may stop every trial after the first (trials run one at a time): then one value completed
+    # ASHA may stop every trial but one (each is judged against those that reached its rung first)
     completed = {_lr(r) for r in children.values() if r.data.tags["stop_reason"] == "completed"}
     why = ("only lr_per_512 varies: nothing to rank it against" if len(completed) > 1
            else "no knob varies over the completed trials")
@@ -296,7 +298,7 @@ def tpe_sweep(tmp_path_factory, digits16):
     space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
                                        "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
-                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0"), timeout=1200)
+                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0", *TWO_TRIALS_AT_ONCE), timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return storage
 
