@@ -210,13 +210,15 @@ def resumed_sweep(tmp_path_factory, digits16):
     space.write_text("params:\n  optim.lr: {values: [2.0e-3, 1.0e+6, 1.0e-3]}\n")  # the second one diverges
     log = storage / "first.log"
     command = tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=resumable",
-                           "tune.scheduler=fifo", "optim.weight_decay=0")
+                           "tune.scheduler=fifo", "optim.weight_decay=0", *TWO_TRIALS_AT_ONCE)
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=vitsweep_env())
         deadline = time.time() + 900
         try:
-            # Kill it once the third trial has trained (and checkpointed) its first epoch.
-            while log.read_text().count("epoch 1/3") < 2:
+            # Kill it once the first trial has completed and the third (started when the second diverged,
+            # long after the first) has trained (and checkpointed) its first epoch.
+            while not (re.search(r"\(lr=0\.002\): completed$", log.read_text(), re.M)
+                       and re.search(r"\(lr=0\.001\): epoch 1/3 ", log.read_text(), re.M)):
                 assert process.poll() is None, log.read_text()[-4000:]
                 assert time.time() < deadline, log.read_text()[-4000:]
                 time.sleep(2)
