@@ -217,10 +217,10 @@ def resumed_sweep(tmp_path_factory, digits16):
         try:
             # Kill it once the first trial has completed and the third (started when the second diverged,
             # long after the first) has trained (and checkpointed) its first epoch.
-            while not (re.search(r"\(lr=0\.002\): completed$", log.read_text(), re.M)
-                       and re.search(r"\(lr=0\.001\): epoch 1/3 ", log.read_text(), re.M)):
-                assert process.poll() is None, log.read_text()[-4000:]
-                assert time.time() < deadline, log.read_text()[-4000:]
+            while not (re.search(r"\(lr=0\.002\): completed$", text := log.read_text(), re.M)
+                       and re.search(r"\(lr=0\.001\): epoch 1/3 ", text, re.M)):
+                assert process.poll() is None, text[-4000:]
+                assert time.time() < deadline, text[-4000:]
                 time.sleep(2)
         finally:
             _kill_tree(process)
@@ -300,7 +300,8 @@ def tpe_sweep(tmp_path_factory, digits16):
     space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
                                        "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
-                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0", *TWO_TRIALS_AT_ONCE), timeout=1200)
+                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0", *TWO_TRIALS_AT_ONCE),
+                          timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return storage
 
