@@ -39,6 +39,7 @@ META_FILE = "vitsweep_checkpoint.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_PREFIX = "vitsweep_manifest_rank"
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load's switch making every load weights-only
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # its opposite, which torch refuses beside it
 log = logging.getLogger(__name__)
 
 
@@ -146,9 +147,12 @@ def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, 
 def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> int:
     """Restore model, optimizer, scheduler, EMA and RNG state; returns the epoch to start from."""
     check_same_model(read_meta(directory), identity, str(directory))
+    no_state = f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}"
+    if not any((Path(directory) / DEEPSPEED_TAG).glob("*model_states.pt")):  # DeepSpeed's own check: a bare assert
+        raise InvalidInputError(no_state)
     _, client_state = engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG)
     if client_state is None:
-        raise InvalidInputError(f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}")
+        raise InvalidInputError(no_state)
     if ema is not None:
         if "ema" not in client_state:
             raise InvalidInputError(f"checkpoint {directory} has no EMA weights, but optim.ema_decay is set")
@@ -218,17 +222,19 @@ def _load_deepspeed_file(path: Path) -> dict[str, Any]:
 @contextlib.contextmanager
 def _weights_only_loads() -> Iterator[None]:
     """Every ``torch.load`` in the block weights-only, DeepSpeed's state holders allowed: zero_to_fp32
-    asks for ``weights_only=False``, which torch's own switch overrides (process-wide, for the block)."""
-    previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    asks for ``weights_only=False``, which torch's own switch overrides (process-wide, for the block).
+    A user's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is lifted for the block: torch fails every load with both set."""
+    previous = {name: os.environ.pop(name, None) for name in (_FORCE_WEIGHTS_ONLY, _FORCE_NO_WEIGHTS_ONLY)}
     os.environ[_FORCE_WEIGHTS_ONLY] = "1"
     try:
         with torch.serialization.safe_globals(deepspeed_state_types()):
             yield
     finally:
-        if previous is None:
-            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
-        else:
-            os.environ[_FORCE_WEIGHTS_ONLY] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def write_manifest(directory: Path, rank: int) -> Path:
@@ -263,7 +269,11 @@ def verify_checkpoint(directory: str | Path) -> None:
             f"{len(manifests)} ({found}): a rank's files are missing"
         )
     for manifest in manifests:
-        for entry in _read_json(manifest).get("files", []):
+        entries = _read_json(manifest).get("files")
+        if not isinstance(entries, list):  # a manifest vouching for nothing must not pass as intact
+            raise CorruptCheckpointError(f"checkpoint file {str(manifest)!r} lists no files: it is not a manifest "
+                                         "vitsweep wrote")
+        for entry in entries:
             _check_entry(directory, entry, manifest.name)
 
 

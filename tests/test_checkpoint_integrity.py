@@ -2,12 +2,16 @@
 checkpoints written by pipeline.checkpointing, then truncated or overwritten."""
 import json
 import logging
+import os
+import re
 import shutil
+import zipfile
 
 import pytest
 import torch
 
 from pipeline.checkpointing import (
+    CheckpointMismatchError,
     CorruptCheckpointError,
     DEEPSPEED_TAG,
     MANIFEST_PREFIX,
@@ -17,11 +21,13 @@ from pipeline.checkpointing import (
     latest_intact_checkpoint,
     load_checkpoint,
     model_identity,
+    read_meta,
     save_checkpoint,
     use_weights_only_loading,
     verify_checkpoint,
 )
 from pipeline.config import load_config
+from pipeline.errors import InvalidInputError
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,38 @@ def _model_states(checkpoint):
     return next((checkpoint / DEEPSPEED_TAG).glob("*model_states.pt"))
 
 
+def _exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def test_a_checkpoints_metadata_records_its_model_epoch_world_size_and_card(engine, tmp_path):
+    """The files a resume, a model source and a check read back; the identity's keys are the ones
+    checkpoints already written carry."""
+    engine, _ = engine
+    cfg = load_config("smoke", ["model.args.depth=1"])
+    identity = model_identity(cfg.model, 10)
+    assert identity == {"name": cfg.model.name, "args": cfg.model.args, "img_size": cfg.model.img_size,
+                        "num_classes": 10}
+    card = {"num_classes": 10, "class_names": ["zero"] * 10}
+    for name, given in (("plain", None), ("carded", card)):
+        (tmp_path / name).mkdir()
+        save_checkpoint(engine, tmp_path / name, epoch=4, identity=identity, rank=0, card=given)
+    assert read_meta(tmp_path / "plain") == {"model": identity, "epoch": 4, "world_size": 1}
+    assert read_meta(tmp_path / "carded") == {"model": identity, "epoch": 4, "world_size": 1, "card": card}
+    manifest = json.loads((tmp_path / "plain" / f"{MANIFEST_PREFIX}0.json").read_text())
+    assert manifest.keys() == {"rank", "files"} and manifest["rank"] == 0
+
+
+def test_deepspeed_writes_zip_archives_through_the_weights_only_engine(engine, tmp_path):
+    """The engine vitsweep swaps in keeps DeepSpeed's configured serialization: zip archives, whose
+    CRCs the check of a checkpoint without manifests reads."""
+    engine, identity = engine
+    use_weights_only_loading(engine)
+    save_checkpoint(engine, tmp_path, epoch=0, identity=identity, rank=0)
+    archives = sorted((tmp_path / DEEPSPEED_TAG).glob("*.pt"))
+    assert len(archives) == 2 and all(zipfile.is_zipfile(archive) for archive in archives)
+
+
 def test_a_saved_checkpoint_lists_every_file_with_its_size_and_sha256(run_dir):
     checkpoint = run_dir / "checkpoint_epoch1"
     manifest = json.loads((checkpoint / f"{MANIFEST_PREFIX}0.json").read_text())
@@ -82,8 +120,11 @@ def test_a_saved_checkpoint_lists_every_file_with_its_size_and_sha256(run_dir):
 def test_a_truncated_checkpoint_file_is_named(run_dir):
     checkpoint = run_dir / "checkpoint_epoch1"
     states = _model_states(checkpoint)
-    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
-    with pytest.raises(CorruptCheckpointError, match=rf"{states.name}.*truncated"):
+    written = states.stat().st_size
+    states.write_bytes(states.read_bytes()[: written // 2])
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint file {str(states)!r} is {written // 2} bytes, {written} were written (truncated or "
+            f"overwritten; listed in {MANIFEST_PREFIX}0.json)")):
         verify_checkpoint(checkpoint)
 
 
@@ -93,7 +134,9 @@ def test_overwritten_bytes_of_the_same_size_are_named(run_dir):
     data = bytearray(states.read_bytes())
     data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
     states.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError, match=rf"{states.name}.*SHA-256"):
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint file {str(states)!r} does not hash to the SHA-256 its rank recorded in "
+            f"{MANIFEST_PREFIX}0.json: its bytes changed after writing")):
         verify_checkpoint(checkpoint)
 
 
@@ -108,7 +151,29 @@ def test_a_checkpoint_missing_a_ranks_manifest_is_incomplete(run_dir):
     checkpoint = run_dir / "checkpoint_epoch1"
     meta = checkpoint / "vitsweep_checkpoint.json"
     meta.write_text(json.dumps(json.loads(meta.read_text()) | {"world_size": 2}))
-    with pytest.raises(CorruptCheckpointError, match="written by 2 ranks"):
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint {str(checkpoint)!r} was written by 2 ranks but holds the manifests of 1 "
+            f"(['{MANIFEST_PREFIX}0.json']): a rank's files are missing")):
+        verify_checkpoint(checkpoint)
+
+
+def test_a_manifest_that_lists_no_files_vouches_for_nothing(run_dir):
+    manifest = run_dir / "checkpoint_epoch1" / f"{MANIFEST_PREFIX}0.json"
+    manifest.write_text(json.dumps({"rank": 0}))
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint file {str(manifest)!r} lists no files: it is not a manifest vitsweep wrote")):
+        verify_checkpoint(run_dir / "checkpoint_epoch1")
+
+
+def test_metadata_that_is_missing_or_no_record_is_named(run_dir):
+    checkpoint = run_dir / "checkpoint_epoch1"
+    meta = checkpoint / "vitsweep_checkpoint.json"
+    meta.write_text("[1, 2]")
+    with pytest.raises(CorruptCheckpointError, match=_exactly(f"checkpoint file {str(meta)!r} holds list, not a record")):
+        read_meta(checkpoint)
+    meta.unlink()
+    with pytest.raises(InvalidInputError, match=_exactly(
+            f"{checkpoint} is not a vitsweep checkpoint (no vitsweep_checkpoint.json)")):
         verify_checkpoint(checkpoint)
 
 
@@ -121,8 +186,28 @@ def test_a_checkpoint_without_manifests_is_checked_by_its_archives_crc(run_dir):
     data = bytearray(states.read_bytes())
     data[len(data) // 2] ^= 0xFF
     states.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError, match=states.name):
+    with pytest.raises(CorruptCheckpointError,
+                       match=f"^{re.escape(f'checkpoint file {str(states)!r}: entry ')}'[^']+' fails its CRC-32 check$"):
         verify_checkpoint(checkpoint)
+    states.write_bytes(states.read_bytes()[:-100])  # its directory at the end cut off
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint file {str(states)!r} is not a whole torch archive (File is not a zip file)")):
+        verify_checkpoint(checkpoint)
+
+
+def test_checkpoints_are_ordered_by_epoch_not_by_when_they_were_written(run_dir):
+    """A checkpoint copied back or touched later is still older than the next epoch's; metadata that
+    is unreadable or has no epoch sorts last (verification names its problem)."""
+    older, newer = run_dir / "checkpoint_epoch0", run_dir / "checkpoint_epoch1"
+    latest = (newer / "vitsweep_checkpoint.json").stat().st_mtime_ns
+    os.utime(older / "vitsweep_checkpoint.json", ns=(latest + 10**9, latest + 10**9))
+    assert checkpoints_newest_first(run_dir) == [newer, older]
+    for name, meta in (("checkpoint_no_epoch", {"model": {}}), ("checkpoint_unreadable", "{truncated")):
+        shutil.copytree(older, run_dir / name)
+        (run_dir / name / "vitsweep_checkpoint.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    ordered = checkpoints_newest_first(run_dir)
+    assert ordered[:2] == [newer, older] and set(ordered[2:]) == {run_dir / "checkpoint_no_epoch",
+                                                                 run_dir / "checkpoint_unreadable"}
 
 
 def test_the_newest_intact_checkpoint_is_picked_with_a_warning_naming_the_bad_file(run_dir, caplog):
@@ -130,18 +215,24 @@ def test_the_newest_intact_checkpoint_is_picked_with_a_warning_naming_the_bad_fi
     states.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
         assert latest_intact_checkpoint(run_dir) == run_dir / "checkpoint_epoch0"
-    assert states.name in caplog.text
+    (warning,) = caplog.messages
+    assert warning.startswith(f"skipping a corrupt checkpoint: checkpoint file {str(states)!r} is 0 bytes, ")
 
 
 def test_the_latest_checkpoint_is_picked_when_every_one_is_intact(run_dir):
     assert latest_intact_checkpoint(run_dir) == run_dir / "checkpoint_epoch1"
 
 
-def test_a_worker_handed_a_corrupt_checkpoint_resumes_from_the_intact_one_and_loads_it(run_dir, engine):
+def test_a_worker_handed_a_corrupt_checkpoint_resumes_from_the_intact_one_and_loads_it(run_dir, engine, caplog):
     engine, identity = engine
-    _model_states(run_dir / "checkpoint_epoch1").write_bytes(b"PK\x03\x04 truncated")
-    chosen = checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir)
+    states = _model_states(run_dir / "checkpoint_epoch1")
+    states.write_bytes(b"PK\x03\x04 truncated")
+    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+        chosen = checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir)
     assert chosen == run_dir / "checkpoint_epoch0"
+    handed_warning = caplog.messages[-1]  # after latest_intact_checkpoint's own, for the same file
+    assert handed_warning.startswith(f"checkpoint file {str(states)!r} is {states.stat().st_size} bytes, ")
+    assert handed_warning.endswith(f"; resuming from the newest intact checkpoint {chosen} instead")
     assert load_checkpoint(engine, chosen, identity=identity, rank=0) == 1  # epoch 0 done: start at 1
 
 
@@ -154,7 +245,25 @@ def test_with_no_intact_checkpoint_left_training_starts_afresh_rather_than_faili
         _model_states(run_dir / f"checkpoint_epoch{epoch}").write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
         assert checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir) is None
-    assert "starts again from epoch 0" in caplog.text
+    handed_warning = caplog.messages[-1]
+    assert handed_warning.startswith(f"checkpoint file {str(_model_states(run_dir / 'checkpoint_epoch1'))!r} is 0 bytes")
+    assert handed_warning.endswith("; no intact checkpoint is left, so training starts again from epoch 0")
+
+
+def test_a_worker_handed_a_corrupt_checkpoint_without_its_run_directory_starts_afresh(run_dir, caplog):
+    _model_states(run_dir / "checkpoint_epoch1").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+        assert checkpoint_to_resume(run_dir / "checkpoint_epoch1", None) is None
+    assert caplog.messages[-1].endswith("; no intact checkpoint is left, so training starts again from epoch 0")
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_each_difference(run_dir, engine):
+    engine, identity = engine
+    checkpoint = run_dir / "checkpoint_epoch1"
+    with pytest.raises(CheckpointMismatchError, match=_exactly(
+            f"checkpoint {checkpoint} belongs to another model (img_size: checkpoint {identity['img_size']!r} vs "
+            "config 32; num_classes: checkpoint 10 vs config 100); use a new run.name to start afresh")):
+        load_checkpoint(engine, checkpoint, identity=identity | {"img_size": 32, "num_classes": 100}, rank=0)
 
 
 def test_torch_itself_fails_on_the_file_verification_refuses(run_dir):
@@ -186,7 +295,11 @@ def test_a_rerun_checks_only_the_checkpoints_it_may_resume(run_dir):
 def test_a_rerun_whose_checkpoints_are_all_corrupt_is_refused_before_any_worker(run_dir):
     for epoch in (0, 1):
         _model_states(run_dir / f"checkpoint_epoch{epoch}").write_bytes(b"")
-    with pytest.raises(CorruptCheckpointError, match=r"none of the 2 checkpoints.*model_states.pt.*new run.name"):
+    states = _model_states(run_dir / "checkpoint_epoch1")
+    refusal = (f"none of the 2 checkpoints of run {str(run_dir)!r} is intact (the newest: checkpoint file "
+               f"{str(states)!r} is 0 bytes, ")
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(refusal)}.*" + re.escape(
+            "); choose a new run.name to start afresh, or remove the run directory") + "$"):
         check_run_checkpoints(run_dir)
 
 

@@ -2,14 +2,18 @@
 trains a step, saves, trains another, and loads the checkpoint back; model, optimizer (moments and
 fp32 master weights), scheduler, EMA and every RNG must then be as they were at the save."""
 import random
+import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.checkpointing import load_checkpoint, model_identity, save_checkpoint, use_weights_only_loading
+from pipeline.checkpointing import (DEEPSPEED_TAG, load_checkpoint, model_identity, save_checkpoint,
+                                    use_weights_only_loading)
 from pipeline.config import load_config
+from pipeline.errors import InvalidInputError
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,20 @@ def test_loading_a_checkpoint_restores_model_optimizer_scheduler_ema_and_rng(tra
     assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == 4
     assert _differences(at_save, _state(engine, ema)) == []
     assert _draws() == draws_at_save
+
+
+def test_resuming_an_ema_run_from_a_checkpoint_without_ema_weights_is_refused(trainer, tmp_path):
+    engine, ema, identity = trainer
+    save_checkpoint(engine, tmp_path, epoch=0, identity=identity, rank=0)  # as a run without optim.ema_decay does
+    with pytest.raises(InvalidInputError, match=re.escape(
+            f"checkpoint {tmp_path} has no EMA weights, but optim.ema_decay is set")):
+        load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema)
+
+
+def test_a_checkpoint_whose_deepspeed_state_is_gone_is_refused(trainer, tmp_path):
+    engine, ema, identity = trainer
+    save_checkpoint(engine, tmp_path, epoch=0, identity=identity, rank=0, ema=ema)
+    shutil.rmtree(tmp_path / DEEPSPEED_TAG)
+    with pytest.raises(InvalidInputError, match=re.escape(
+            f"checkpoint {tmp_path} has no DeepSpeed state under tag 'state'")):
+        load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema)

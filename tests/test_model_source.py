@@ -169,6 +169,14 @@ def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_car
     assert source.card == trained.card
 
 
+def test_zero_shards_are_consolidated_weights_only_even_where_torch_is_told_to_unpickle(trained, monkeypatch):
+    """zero_to_fp32 reads under torch's weights-only switch; a user's opposite switch, which torch refuses
+    beside it, is lifted for the read and then put back."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert_same_weights(resolve(trained, str(trained.first)).weights, trained.weights["first"])
+    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
 def test_an_earlier_checkpoints_ema_comes_from_its_deepspeed_state(trained):
     assert_same_weights(resolve(trained, str(trained.first), ema=True).weights, trained.weights["first_ema"])
 

@@ -91,7 +91,10 @@ class _RunsCodeWhenUnpickled:
         return (print, ("unpickled arbitrary code",))
 
 
-def test_checkpoint_loading_refuses_arbitrary_pickles(tmp_path):
+@pytest.mark.parametrize("told_to_unpickle", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+def test_checkpoint_loading_refuses_arbitrary_pickles(tmp_path, monkeypatch, told_to_unpickle):
+    if told_to_unpickle:  # torch's switch for loads that do not say weights_only: ours say it
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     path = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {"w": torch.zeros(2)}, "payload": _RunsCodeWhenUnpickled()}, path)
     with pytest.raises(pickle.UnpicklingError):
