@@ -147,12 +147,9 @@ def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, 
 def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> int:
     """Restore model, optimizer, scheduler, EMA and RNG state; returns the epoch to start from."""
     check_same_model(read_meta(directory), identity, str(directory))
-    no_state = f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}"
     if not any((Path(directory) / DEEPSPEED_TAG).glob("*model_states.pt")):  # DeepSpeed's own check: a bare assert
-        raise InvalidInputError(no_state)
-    _, client_state = engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG)
-    if client_state is None:
-        raise InvalidInputError(no_state)
+        raise InvalidInputError(f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}")
+    _, client_state = engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG)  # with a tag: never None
     if ema is not None:
         if "ema" not in client_state:
             raise InvalidInputError(f"checkpoint {directory} has no EMA weights, but optim.ema_decay is set")

@@ -8,6 +8,7 @@ blocks share their code tensors, so every source must give back the shared names
 """
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,8 +194,31 @@ def test_a_checkpoint_of_any_zero_stage_gives_the_engines_weights(single_process
     source = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db")
     assert_same_weights(source.weights, expected)
     assert source.card.model.args["depth"] == 1 and source.card.class_names is None  # a checkpoint without a card
-    with pytest.raises(InvalidInputError, match="holds no EMA weights"):
+    with pytest.raises(InvalidInputError, match=re.escape(
+            f"checkpoint {str(tmp_path)!r} holds no EMA weights: it was trained without optim.ema_decay")):
         resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db", ema=True)
+    save_final_weights(engine, tmp_path, rank=0)  # ZeRO-3: gathered from the rank's partitions
+    source = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db")
+    assert source.provenance.location == str(tmp_path / WEIGHTS_FILE)
+    assert_same_weights(source.weights, expected)
+
+
+@pytest.mark.parametrize("told_to_unpickle", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+def test_a_checkpoint_whose_deepspeed_state_needs_code_is_refused_unloaded(trained, tmp_path, monkeypatch,
+                                                                           told_to_unpickle):
+    if told_to_unpickle:  # torch's switch for loads that do not say weights_only: ours say it
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    checkpoint = tmp_path / "checkpoint_epoch1"
+    shutil.copytree(trained.first, checkpoint)
+    for manifest in checkpoint.glob("vitsweep_manifest_rank*.json"):
+        manifest.unlink()  # a checkpoint of before manifests: a rewritten archive passes its CRC check
+    torch.save({"module": trained.weights["first"], "ema": trained.weights["first_ema"], "epoch": 0,
+                "loader": shutil.rmtree}, checkpoint / "state" / "mp_rank_00_model_states.pt")
+    for ema in (False, True):
+        with pytest.raises(InvalidInputError, match=re.escape(
+                f"checkpoint {str(checkpoint)!r}: its DeepSpeed state under 'state' cannot be read as weights "
+                "(UnpicklingError: ")):
+            resolve(trained, str(checkpoint), ema=ema)
 
 
 def test_a_safetensors_file_gives_every_name_of_a_shared_tensor_and_no_card(trained):
