@@ -169,7 +169,8 @@ def test_metadata_that_is_missing_or_no_record_is_named(run_dir):
     checkpoint = run_dir / "checkpoint_epoch1"
     meta = checkpoint / "vitsweep_checkpoint.json"
     meta.write_text("[1, 2]")
-    with pytest.raises(CorruptCheckpointError, match=_exactly(f"checkpoint file {str(meta)!r} holds list, not a record")):
+    with pytest.raises(CorruptCheckpointError, match=_exactly(
+            f"checkpoint file {str(meta)!r} holds list, not a record")):
         read_meta(checkpoint)
     meta.unlink()
     with pytest.raises(InvalidInputError, match=_exactly(
@@ -186,8 +187,8 @@ def test_a_checkpoint_without_manifests_is_checked_by_its_archives_crc(run_dir):
     data = bytearray(states.read_bytes())
     data[len(data) // 2] ^= 0xFF
     states.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError,
-                       match=f"^{re.escape(f'checkpoint file {str(states)!r}: entry ')}'[^']+' fails its CRC-32 check$"):
+    prefix = re.escape(f"checkpoint file {str(states)!r}: entry ")
+    with pytest.raises(CorruptCheckpointError, match=f"^{prefix}'[^']+' fails its CRC-32 check$"):
         verify_checkpoint(checkpoint)
     states.write_bytes(states.read_bytes()[:-100])  # its directory at the end cut off
     with pytest.raises(CorruptCheckpointError, match=_exactly(
@@ -246,7 +247,8 @@ def test_with_no_intact_checkpoint_left_training_starts_afresh_rather_than_faili
     with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
         assert checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir) is None
     handed_warning = caplog.messages[-1]
-    assert handed_warning.startswith(f"checkpoint file {str(_model_states(run_dir / 'checkpoint_epoch1'))!r} is 0 bytes")
+    states = _model_states(run_dir / "checkpoint_epoch1")
+    assert handed_warning.startswith(f"checkpoint file {str(states)!r} is 0 bytes")
     assert handed_warning.endswith("; no intact checkpoint is left, so training starts again from epoch 0")
 
 
