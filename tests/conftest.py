@@ -263,8 +263,8 @@ def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.Completed
     """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
     venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` (with an EMA) and a 2-trial fine-tuning sweep
     from it that registers its best trial. Their store (``./vitsweep-runs``) and each command's output; the
-    MLflow UI check browses the same store, and README "After training" continues in the same directory
-    (``test_after_training``), as a user would."""
+    MLflow UI check browses the same store (adding the demo's run), and README "After training" continues in
+    the same directory (``test_after_training``), as a user would."""
     root = tmp_path_factory.mktemp("readme-finetuning")
     env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     results = []

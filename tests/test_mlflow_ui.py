@@ -3,6 +3,9 @@ vitsweep gives: a training run and a sweep's trials read as model-training runs 
 the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the sweep's chart
 view drawn as its saved view configures it; its summary page on the parent run.
 
+The store is a user's after README "Fine-tuning" (``conftest.readme_finetuning``: its sweep over the
+learning rate and layer decay is the sweep browsed here) and then the demo's command in it.
+
 The training run's logged model, evaluated and registered as README "After training" does, lists on
 its page the evaluation (its dataset and metrics).
 
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import TWO_TRIALS_AT_ONCE, mlflow_server, run_vitsweep, train_command, tune_command, wait_for
+from conftest import mlflow_server, run_vitsweep, train_command, wait_for
 from pipeline.tracking import ui_compare_link, ui_link
 from webdriver import PARALLEL_COORDINATES_JS
 
@@ -32,19 +35,14 @@ DEMO_EPOCHS, DEMO_FLOOR = 3, 70.0
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, digits16) -> tuple[Path, dict[str, str], str]:
-    """A store holding what a user has after `make demo` and a small sweep: the demo's run (its config,
-    shortened) under its automatic name, and a 2-trial grid over the QKV embedding (kept small: 2 cores);
-    and the UI links each printed."""
-    storage = tmp_path_factory.mktemp("ui-store")
+def store(readme_finetuning, digits16) -> tuple[Path, dict[str, str], str]:
+    """A store holding what a user has after README "Fine-tuning" and then the demo: the pre-trained run,
+    a 2-trial sweep fine-tuning it (over ``optim.lr`` and ``optim.layer_decay``), and the demo's run (its
+    config, shortened) under its automatic name; and the UI links the demo and the sweep printed."""
+    storage, (_, sweep) = readme_finetuning
     demo = run_vitsweep(train_command(storage, digits16, "model.img_size=16", f"optim.epochs={DEMO_EPOCHS}",
                                       config="default"))
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
-    space = storage / "qkv.yaml"
-    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
-    sweep = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=qkv-sweep",
-                                      "tune.scheduler=fifo", *TWO_TRIALS_AT_ONCE), timeout=1200)
-    assert sweep.returncode == 0, sweep.stdout[-4000:] + sweep.stderr[-4000:]
     links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1),
              "summary": SUMMARY_LINK.search(sweep.stdout).group(1)}
     return storage, links, AUTOMATIC_NAME.search(demo.stdout).group(1)
@@ -66,7 +64,7 @@ def runs(store):
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
-    [demo] = [run for run in found if role(run) is None]
+    [demo] = [run for run in found if run.info.run_name == store[2]]
     [sweep] = [run for run in found if role(run) == "sweep"]
     trials = [run for run in found if role(run) == "trial"]
     assert len(trials) == 2
@@ -95,7 +93,9 @@ def evaluated(store, runs):
     assert main(["evaluate", source, "--data", str(data), *settings]) == 0
     assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
-    (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}'")
+    # the store's other evaluations (README "After training" evaluates its pre-trained run) name another source
+    (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}' and "
+                                                     f"tags.`vitsweep.source_run_id` = '{trained.info.run_id}'")
     return evaluation
 
 
@@ -126,15 +126,19 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
+KNOBS = {"optim.lr": "lr", "optim.layer_decay": "layer_decay"}  # README's fine-tuning space, and their columns
+
+
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
                                                                              screenshots):
-    _, _, _, trials = runs
+    _, _, sweep, trials = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", *(run.info.run_name for run in trials), "epochs_trained")  # the rows drawn
+    browser.wait_for_text(sweep.info.run_name, *(run.info.run_name for run in trials), "epochs_trained")  # the rows
     browser.screenshot(screenshots / "sweep_runs.png")
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
-    assert {"params.`qkv`", "metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
+    knob_columns = {f"params.`{name}`" for name in KNOBS.values()}
+    assert knob_columns | {"metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):
@@ -142,23 +146,26 @@ def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server,
     browser.open(ui_compare_link(server, experiment, [run.info.run_id for run in trials]))
     browser.wait_for_text("Comparing 2 Runs", "Parallel Coordinates Plot")
     browser.screenshot(screenshots / "sweep_compare.png")
-    text = browser.facts()["text"]
-    assert "model.args.qkv" in text and {"linear", "sne"} <= set(text.split())
+    words = set(browser.facts()["text"].split())
+    assert set(KNOBS) <= words
+    assert {trial.data.params[key] for trial in trials for key in KNOBS} <= words  # each trial's values
 
 
 def test_the_sweeps_chart_view_draws_a_parallel_coordinates_line_per_trial(server, store, runs, browser, screenshots):
-    _, _, _, trials = runs
+    _, _, sweep, trials = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text("qkv-sweep", "val_top1")
+    browser.wait_for_text(sweep.info.run_name, "val_top1")
     browser.click(CHART_VIEW)  # then nothing else: the saved view holds the charts
     # the charts below the window are drawn when scrolled to: "per epoch" holds its two (metric, training loss)
     browser.wait_for_text("val_top1 across the knobs", "Parallel Coordinates", "val_top1 against each knob",
-                          "qkv vs. val_top1", "per epoch\n(2)", "system/node0")
+                          *(f"{name} vs. val_top1" for name in KNOBS.values()), "per epoch\n(2)", "system/node0")
     drawn = wait_for(lambda: browser.script(PARALLEL_COORDINATES_JS), 60, "the parallel-coordinates chart")
     browser.screenshot(screenshots / "sweep_charts.png")
-    assert drawn["axes"] == ["qkv", "val_top1"]
-    # the trials differ in qkv and in val_top1: one line each leaves the knob's axis and reaches the metric's
-    assert drawn["leaving_first_axis"] == drawn["reaching_last_axis"] == len(trials) == 2
+    assert drawn["axes"] == [*KNOBS.values(), "val_top1"]
+    # a line per trial leaves the first knob's axis (each sampled its own rate); they meet on the metric's
+    # axis only where two trials scored the same
+    assert drawn["leaving_first_axis"] == len({trial.data.params["optim.lr"] for trial in trials}) == len(trials) == 2
+    assert drawn["reaching_last_axis"] == len({trial.data.metrics["val_top1"] for trial in trials})
     text = browser.facts()["text"]
     assert text.index("per epoch") < text.index("Model metrics") < text.index("system/node0")
 
@@ -166,11 +173,13 @@ def test_the_sweeps_chart_view_draws_a_parallel_coordinates_line_per_trial(serve
 def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, runs, browser, screenshots):
     _, _, sweep, _ = runs
     browser.open(_printed(store, "summary", server))
-    browser.wait_for_text("qkv-sweep", "summary.html")
+    browser.wait_for_text(sweep.info.run_name, "summary.html")
     page = wait_for(lambda: browser.in_frame("iframe.mlflow-html-iframe", SUMMARY_PAGE_JS), 60, "summary.html drawn")
     browser.screenshot(screenshots / "sweep_summary.png")
-    assert "Sweep qkv-sweep (finished)" in page["text"] and sweep.data.tags["best_trial_id"] in page["text"]
-    assert "knob importance for val_top1: only qkv varies: nothing to rank it against" in page["text"]
+    assert f"Sweep {sweep.info.run_name} (finished)" in page["text"] and sweep.data.tags["best_trial_id"] in page["text"]
+    assert "knob importance for val_top1: too few trials to say (2 configurations" in page["text"]
+    # it reads as written: the space's description ends its own sentence, and its trials trained 1 epoch
+    assert ".." not in page["text"] and "1 epoch each" in page["text"] and "after 1 epoch." in page["text"]
     assert page["images"] and all(width > 0 for width in page["images"])  # the plots, embedded and decoded
 
 

@@ -323,9 +323,11 @@ def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
 def describe_sweep(sweep: Sweep) -> str:
     cfg = sweep.cfg
     trials = len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples
-    return (f"Sweep **{sweep.space.name}**: {sweep.space.description or 'search space'}. {cfg.tune.searcher} over "
+    epochs = f"{cfg.optim.epochs} epoch{'s' if cfg.optim.epochs > 1 else ''}"
+    description = (sweep.space.description or "search space").rstrip(".")  # a space's own sentence ends in one
+    return (f"Sweep **{sweep.space.name}**: {description}. {cfg.tune.searcher} over "
             f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({trials} trials, {cfg.tune.scheduler}), "
-            f"{cfg.model.name}, {cfg.optim.epochs} epochs each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
+            f"{cfg.model.name}, {epochs} each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
 
 
 def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance) -> str:

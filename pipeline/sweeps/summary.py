@@ -51,8 +51,9 @@ def _best(best: TrialRow | None, metric: str) -> str:
     names = short_keys(best.knobs)
     knobs = [[names[key], cell(value)] for key, value in best.knobs.items()]
     metrics = [[m, cell(best.value(m))] for m in (metric, *(m for m in REPORTED if m != metric))]
+    epochs = f"{best.epochs} epoch{'s' if best.epochs > 1 else ''}"
     return (f"<p>Trial <b>{html.escape(best.trial_id)}</b> (MLflow run <code>{html.escape(best.run_id)}</code>): "
-            f"{html.escape(metric)} <b>{cell(best.value(metric))}</b> after {best.epochs} epochs.</p>"
+            f"{html.escape(metric)} <b>{cell(best.value(metric))}</b> after {epochs}.</p>"
             + _table(["knob", "value"], knobs) + "<br>" + _table(["metric (last epoch)", "value"], metrics))
 
 
