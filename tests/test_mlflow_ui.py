@@ -109,7 +109,14 @@ def test_the_logged_models_page_lists_its_evaluation_on_its_dataset(
     browser.wait_for_text(evaluated.info.run_name, data_name)
     browser.screenshot(screenshots / "model_page.png")
     text = browser.facts()["text"]
-    assert f"{evaluated.data.metrics['val_top1']}" in text  # the evaluation's val_top1, on the model's page
+    # the evaluation's val_top1 row: metric, dataset, source run, value (the table's columns, one line each)
+    value = _as_the_ui_prints(evaluated.data.metrics["val_top1"])
+    assert f"val_top1\n{data_name} (#" in text and f"\n{evaluated.info.run_name}\n{value}\n" in text
+
+
+def _as_the_ui_prints(value: float) -> str:
+    """A metric as MLflow's UI shows it (JavaScript's number to text): 90.0 as "90", 87.5 as "87.5"."""
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(server, store, runs, browser,
