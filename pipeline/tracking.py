@@ -26,6 +26,7 @@ import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, LoggedModelInput, Metric, Param, Run, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
@@ -45,6 +46,8 @@ DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
 # Why a run ended, one line: completed, diverged: ..., error: ..., interrupted: SIGINT; sweeps add
 # early_stopped: ... for trials their scheduler stopped.
 STOP_REASON_TAG = "stop_reason"
+# How a store's database says an insert met a row another process had just added (SQLite, PostgreSQL, MySQL).
+UNIQUE_KEY_VIOLATIONS = ("IntegrityError", "UniqueViolation", "duplicate key", "Duplicate entry")
 
 
 def resolve_tracking_uri(cfg: ExperimentConfig) -> str:
@@ -205,7 +208,14 @@ class MlflowStore:
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
             return found.experiment_id
-        return self.client.create_experiment(experiment, artifact_location=local_artifact_root(self.uri))
+        try:
+            return self.client.create_experiment(experiment, artifact_location=local_artifact_root(self.uri))
+        except MlflowException as error:
+            # Another command created it since we looked (two started at once into a new experiment).
+            found = self.find_experiment(experiment) if error.error_code == "RESOURCE_ALREADY_EXISTS" else None
+            if found is None:
+                raise
+            return found.experiment_id
 
     def find_experiment(self, experiment: str):
         return self.client.get_experiment_by_name(experiment)
@@ -384,7 +394,15 @@ class MlflowRun:
             dataset = MetaDataset(source, *dataset_reference(location, sha256))
             inputs.append(DatasetInput(dataset._to_mlflow_entity(),
                                        [InputTag("mlflow.data.context", context), InputTag("sha256", sha256)]))
-        self.client.log_inputs(self.run_id, datasets=inputs)
+        try:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+        except MlflowException as error:
+            # MLflow adds a dataset to the experiment by looking for it, then inserting it: runs logging the
+            # same new dataset at once (a sweep's first trials) collide on its key, and the loser's call is
+            # rolled back whole. Logged again, it finds the winner's dataset and links to it.
+            if not any(marker in error.message for marker in UNIQUE_KEY_VIOLATIONS):
+                raise
+            self.client.log_inputs(self.run_id, datasets=inputs)
 
     def monitor_system(self, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
         """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's

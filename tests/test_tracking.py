@@ -1,5 +1,6 @@
 """MLflow helpers: the final model is logged without leaking a tracking URI into the process; a URI
-never carries a password into params or output."""
+never carries a password into params or output; runs started at once share what they both create."""
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -62,6 +63,62 @@ def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_f
     history = run.metric_history("system/node0/cpu_utilization_percentage")
     assert len(history) == 1 and 0 <= history[0].value <= 100
     assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0
+
+
+def _in_processes(task, count: int = 2) -> list:
+    """``task(i, go)`` in ``count`` forked processes, each calling ``go()`` once it is set up, which releases
+    them all together: what each returned, or the error it raised. This process opens the store only after
+    they end: MLflow caches a store's SQLite connections, and those must not cross a fork."""
+    fork = multiprocessing.get_context("fork")
+    ready, outcomes = fork.Barrier(count), fork.Queue()
+
+    def one(i):
+        try:
+            outcomes.put((i, task(i, ready.wait)))
+        except Exception as error:  # noqa: BLE001  (the error is the assertion's message)
+            outcomes.put((i, f"{type(error).__name__}: {error}"))
+
+    processes = [fork.Process(target=one, args=(i,)) for i in range(count)]
+    for process in processes:
+        process.start()
+    results = sorted(outcomes.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join()
+    return [value for _, value in results]
+
+
+def test_runs_logging_the_same_new_dataset_at_once_both_link_to_it(tmp_path):
+    # A sweep's first trials log the sweep's dataset together; MLflow looks for it, then inserts it.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    _in_processes(lambda i, go: MlflowStore(uri).experiment_id("vitsweep"), count=1)
+
+    def log(i, go):
+        run = MlflowStore(uri).create_run("vitsweep", f"trial{i}")
+        go()
+        run.log_datasets({"training": ("/data/train.beton", "a" * 64), "validation": ("/data/val.beton", "b" * 64)})
+        return run.run_id
+
+    run_ids = _in_processes(log)
+    assert all(len(run_id) == 32 for run_id in run_ids), run_ids
+    client = MlflowStore(uri).client
+    linked = [sorted(i.dataset.name for i in client.get_run(run_id).inputs.dataset_inputs) for run_id in run_ids]
+    assert linked == [["train.beton", "val.beton"]] * 2
+
+
+def test_commands_starting_at_once_into_a_new_experiment_both_run_in_it(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    _in_processes(lambda i, go: MlflowStore(uri).experiment_names(), count=1)  # the store exists; the experiment is new
+
+    def start(i, go):
+        store = MlflowStore(uri)
+        store.experiment_names()
+        go()
+        return store.create_run("new-experiment", f"run{i}").run_id
+
+    run_ids = _in_processes(start)
+    assert all(len(run_id) == 32 for run_id in run_ids), run_ids
+    store = MlflowStore(uri)
+    assert {run.info.run_id for run in store.search(store.experiment_id("new-experiment"), "")} == set(run_ids)
 
 
 def _imported(modules: str, libraries: set[str]) -> list[str]:

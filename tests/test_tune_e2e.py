@@ -55,6 +55,10 @@ def asha_sweep(tmp_path_factory, digits16):
                                        *TWO_TRIALS_AT_ONCE),
                           timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # no trial may fail here: each test below would only see its missing records, not why
+    errors = {trial_id: run.data.tags["stop_reason"] for trial_id, run in _runs(storage)[2].items()
+              if run.data.tags["stop_reason"].startswith("error")}
+    assert not errors, errors
     return storage, result
 
 
