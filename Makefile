@@ -43,13 +43,15 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 	@echo "setup: ready ($(VENV))"
 
 # Without a GPU, DeepSpeed JIT-compiles its shared-memory comm op on first start (minutes); build
-# it once here, into torch's extension cache, so no training run or test pays for it.
+# it once here, into torch's extension cache, so no training run or test pays for it (with the ninja
+# every worker uses: pipeline.engine.use_the_environments_ninja).
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 deepspeed-cpu-ops: $(STAMP)
 	@if ! $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then :; \
 	elif ls -d $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so >/dev/null 2>&1; then :; \
 	else echo "setup: building DeepSpeed's CPU comm op once (a few minutes)"; \
-	  DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+	  DS_ACCELERATOR=cpu $(BIN)/python -c "from pipeline.engine import use_the_environments_ninja; \
+	    use_the_environments_ninja(); from deepspeed.accelerator import get_accelerator; \
 	    get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
 	  || { echo "setup: DeepSpeed's CPU comm op failed to build (needs g++)" >&2; exit 1; }; fi
 

@@ -1,8 +1,13 @@
 """The DeepSpeed engine: its JSON config, derived from ours in this one place, and what the worker
-applies to the model and engine around ``deepspeed.initialize`` (BatchNorm in fp32, compile)."""
+applies to the model and engine around ``deepspeed.initialize`` (BatchNorm in fp32, compile; on CPU,
+the ``ninja`` its comm op is built with)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +21,19 @@ BATCHNORM_STATISTICS = ("running_mean", "running_var")
 # ZeRO's gradient reduce / parameter all-gather bucket, in elements: PyTorch DDP's 25 MB of fp32.
 # A 5-90 M parameter model then reduces in 1-15 buckets, each sent while backward computes the next.
 ZERO_BUCKET_ELEMENTS = 25 * 2**20 // 4
+
+
+def use_the_environments_ninja() -> None:
+    """Put this Python environment's ``ninja`` (pip's, installed with DeepSpeed) first on PATH.
+
+    On CPU, DeepSpeed JIT-builds its shared-memory comm op with the first ``ninja`` on PATH, into one
+    cache every process shares. pip's ninja (1.13) and a system one (Debian's 1.11) hash the build log
+    differently and read each other's entries as stale, so each switch between them (a shell with the
+    venv activated, then one without) rebuilt the op: a minute on 2 cores, under a lock every starting
+    worker waits on. Called before the op loads (each CPU worker, ``make setup``), it is built once."""
+    ninja = Path(sys.executable).parent / "ninja"
+    if ninja.exists() and shutil.which("ninja") != str(ninja):
+        os.environ["PATH"] = f"{ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:

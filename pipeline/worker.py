@@ -30,7 +30,8 @@ from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
 from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
-from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32, low_precision_autocast
+from pipeline.engine import (compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32,
+                             low_precision_autocast, use_the_environments_ninja)
 from pipeline.losses import build_training_loss
 from pipeline.lr_scaling import effective_lr
 from pipeline.metrics import evaluate
@@ -110,6 +111,8 @@ class Trainer:
         cfg, num_classes = self.cfg, self.plan.num_classes
         if cfg.scaling.use_gpu:  # before any CUDA allocation: a driver too old for torch's CUDA fails here, named
             prepare_gpu_worker(cfg.deepspeed.tf32)
+        else:  # before DeepSpeed loads its CPU comm op: the build every process shares, not a rebuild
+            use_the_environments_ninja()
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()

@@ -353,17 +353,21 @@ class RunningVitsweep:
 
 @pytest.fixture(scope="module")
 def single_process_group():
-    """One gloo rank with the variables a launcher sets, as a Ray Train worker has before
-    ``deepspeed.initialize``; torn down with DeepSpeed's module-level handles on it, so that the next
-    module's group is the one DeepSpeed uses (a Ray Train worker has one group for its whole life)."""
+    """One gloo rank with the variables a launcher sets and the PATH a CPU worker sets, as a Ray Train worker
+    has before ``deepspeed.initialize``; torn down with DeepSpeed's module-level handles on it, so that the
+    next module's group is the one DeepSpeed uses (a Ray Train worker has one group for its whole life)."""
     import deepspeed.comm.comm as deepspeed_comm
     import deepspeed.utils.groups as deepspeed_groups
     import torch.distributed as dist
 
+    from pipeline.engine import use_the_environments_ninja
+
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+                            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                            "PATH": os.environ["PATH"]}.items():
             patch.setenv(name, value)
+        use_the_environments_ninja()  # as a worker does: DeepSpeed loads its CPU comm op, not rebuilds it
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
             yield

@@ -1,7 +1,11 @@
 """What the worker applies to a real DeepSpeed engine: BatchNorm inside a bf16 model keeps fp32 running
 statistics that follow the data as an fp32 run's do (in bf16 a running variance near 1 stops short of
-the data's 1.05), and `deepspeed.compile` compiles the engine without changing its steps."""
+the data's 1.05), `deepspeed.compile` compiles the engine without changing its steps, and DeepSpeed's
+CPU comm op is built once, whichever shell a run starts from."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +63,29 @@ def test_a_compiled_bf16_engine_takes_the_same_steps_as_the_eager_one(single_pro
     (eager_bn, eager), (compiled_bn, compiled) = train_batchnorm_model("bf16", 3), train_batchnorm_model("bf16", 3, True)
     assert compiled == pytest.approx(eager, rel=2e-2)  # bf16 kernels fused differently
     torch.testing.assert_close(compiled_bn.running_var, eager_bn.running_var, atol=2e-3, rtol=0)
+
+
+LOAD_THE_CPU_COMM_OP = ("from pipeline.engine import use_the_environments_ninja; use_the_environments_ninja(); "
+                        "from deepspeed.accelerator import get_accelerator; "
+                        "print(get_accelerator().create_op_builder('ShareMemCommBuilder').load().__file__)")
+
+
+def _load_the_cpu_comm_op(path: str) -> Path:
+    """Where a fresh worker-like process with ``path`` as its PATH loads DeepSpeed's CPU comm op from."""
+    loaded = subprocess.run([sys.executable, "-c", LOAD_THE_CPU_COMM_OP], capture_output=True, text=True,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu", "PATH": path}, cwd=Path(__file__).parents[1])
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    return Path(loaded.stdout.split()[-1])
+
+
+def test_deepspeeds_cpu_comm_op_is_built_once_whichever_ninja_a_shell_finds_first():
+    # A shell with the venv activated finds pip's ninja first, one without it the system's (Debian's);
+    # ninja 1.13 and 1.11 read each other's build log as stale, and rebuilt the op at every switch.
+    venv = Path(sys.executable).parent
+    venv_first = f"{venv}{os.pathsep}{os.environ['PATH']}"
+    system_first = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != venv)
+    built = _load_the_cpu_comm_op(venv_first)
+    build_log = (built.parent / ".ninja_log").read_text()
+    for path in (system_first, venv_first):
+        assert _load_the_cpu_comm_op(path) == built
+        assert (built.parent / ".ninja_log").read_text() == build_log, f"rebuilt with PATH={path}"
