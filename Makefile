@@ -44,11 +44,12 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 
 # Without a GPU, DeepSpeed JIT-compiles its shared-memory comm op on first start (minutes); build
 # it once here, into torch's extension cache, so no training run or test pays for it (with the ninja
-# every worker uses: pipeline.engine.use_the_environments_ninja).
+# every worker uses: pipeline.engine.use_the_environments_ninja). torch builds into
+# $TORCH_EXTENSIONS_DIR/<op> where that is set, else into a per-build folder of ~/.cache/torch_extensions.
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 deepspeed-cpu-ops: $(STAMP)
 	@if ! $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then :; \
-	elif ls -d $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so >/dev/null 2>&1; then :; \
+	elif ls $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/*.so $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so 2>/dev/null | grep -q .; then :; \
 	else echo "setup: building DeepSpeed's CPU comm op once (a few minutes)"; \
 	  DS_ACCELERATOR=cpu $(BIN)/python -c "from pipeline.engine import use_the_environments_ninja; \
 	    use_the_environments_ninja(); from deepspeed.accelerator import get_accelerator; \

@@ -111,6 +111,17 @@ def test_make_test_fails_when_no_test_is_collected(tmp_path):
     assert result.returncode != 0 and "collected no tests" in result.stderr
 
 
+@pytest.mark.parametrize("where", ["TORCH_EXTENSIONS_DIR/op", "default cache/build/op"])
+def test_make_setup_builds_deepspeeds_cpu_comm_op_only_where_torch_finds_none(tmp_path, where):
+    # torch builds into $TORCH_EXTENSIONS_DIR/<op> where it is set, else into ~/.cache/torch_extensions/<build>/<op>
+    built = (tmp_path if where == "TORCH_EXTENSIONS_DIR/op" else tmp_path / "py311_cu132") / "deepspeed_shm_comm"
+    built.mkdir(parents=True)
+    (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    result = subprocess.run(["make", "--no-print-directory", "deepspeed-cpu-ops"], cwd=REPO, capture_output=True,
+                            text=True, env={**_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0 and "building" not in result.stdout, result.stdout + result.stderr
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
