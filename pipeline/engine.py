@@ -33,7 +33,7 @@ def use_the_environments_ninja() -> None:
     worker waits on. Called before the op loads (each CPU worker, ``make setup``), it is built once."""
     ninja = Path(sys.executable).parent / "ninja"
     if ninja.exists() and shutil.which("ninja") != str(ninja):
-        os.environ["PATH"] = f"{ninja.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        os.environ["PATH"] = os.pathsep.join(filter(None, (str(ninja.parent), os.environ.get("PATH"))))
 
 
 def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
