@@ -29,7 +29,7 @@ def use_the_environments_ninja() -> None:
     On CPU, DeepSpeed JIT-builds its shared-memory comm op with the first ``ninja`` on PATH, into one
     cache every process shares. pip's ninja (1.13) and a system one (Debian's 1.11) hash the build log
     differently and read each other's entries as stale, so each switch between them (a shell with the
-    venv activated, then one without) rebuilt the op: a minute on 2 cores, under a lock every starting
+    venv activated, then one without) rebuilt the op: ~40 s on 2 cores, under a lock every starting
     worker waits on. Called before the op loads (each CPU worker, ``make setup``), it is built once."""
     ninja = Path(sys.executable).parent / "ninja"
     if ninja.exists() and shutil.which("ninja") != str(ninja):
