@@ -127,41 +127,44 @@ def assert_staged_once_from_source(cache: Path, digits16) -> None:
         assert read_sidecar(copy) == read_sidecar(source)  # same bytes: the sidecar records their SHA-256
 
 
-def test_training_spreads_over_both_nodes_each_staging_the_dataset_once_into_its_own_cache(
-        tmp_path, monkeypatch, digits16):
-    storage, node_caches = tmp_path / "shared", caches(tmp_path)
-    on_two_nodes(monkeypatch, {"caches": node_caches,
-                               "overrides": training_overrides(storage, digits16, "run.name=spread")})
+@pytest.fixture(scope="module")
+def node_lost_run(tmp_path_factory, digits16):
+    """A 3-epoch run spread over two nodes; after its first checkpoint the worker node is removed and
+    another joins (one run for both tests below: each is ~1 min of this machine's 2 cores)."""
+    root = tmp_path_factory.mktemp("two-nodes")
+    storage, node_caches = root / "shared", caches(root)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        report = on_two_nodes(monkeypatch, {
+            "caches": node_caches, "replace_worker": True,
+            "overrides": training_overrides(storage, digits16, "run.name=node-lost", "optim.epochs=3",
+                                            "run.checkpoint_every=1", "run.max_failures=2"),
+        })
+    return storage, {name: Path(path) for name, path in node_caches.items()}, report
+
+
+def test_training_spreads_over_both_nodes_each_staging_the_dataset_once_into_its_own_cache(node_lost_run, digits16):
+    storage, node_caches, _ = node_lost_run
 
     # Each node's one worker staged into that node's own disk, and only there.
-    assert_staged_once_from_source(Path(node_caches["head"]), digits16)
-    assert_staged_once_from_source(Path(node_caches["worker"]), digits16)
+    assert_staged_once_from_source(node_caches["head"], digits16)
+    assert_staged_once_from_source(node_caches["worker"], digits16)
     assert not (storage / "data-cache").exists()
 
     client, run = only_mlflow_run(storage)
-    assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1]
-    # The node's system metrics, though one epoch is shorter than MLflow's sampling interval (Ray Train
-    # numbers nodes by IP: both simulated nodes are this one machine, node0).
+    # The node's system metrics (Ray Train numbers nodes by IP: both simulated nodes are this one machine, node0).
     assert "system/node0/cpu_utilization_percentage" in run.data.metrics
 
 
-def test_losing_a_node_mid_run_restarts_the_group_on_a_new_node_and_the_mlflow_run_continues(
-        tmp_path, monkeypatch, digits16):
-    storage, node_caches = tmp_path / "shared", caches(tmp_path)
-    report = on_two_nodes(monkeypatch, {
-        "caches": node_caches, "replace_worker": True,
-        "overrides": training_overrides(storage, digits16, "run.name=node-lost", "optim.epochs=3",
-                                        "run.checkpoint_every=1", "run.max_failures=2"),
-    })
+def test_losing_a_node_mid_run_restarts_the_group_on_a_new_node_and_the_mlflow_run_continues(node_lost_run, digits16):
+    storage, node_caches, report = node_lost_run
     assert report["removed_node"] == report["nodes"][1] and report["replacement_node"] not in report["nodes"]
     assert report["checkpoints_at_removal"]
 
     # The group restarted with a worker on the new node, which staged the dataset into its own disk;
     # the head's worker restarted too and found its node's copy in place (not copied again).
-    assert_staged_once_from_source(Path(node_caches["replacement"]), digits16)
-    assert staged(Path(node_caches["head"])) == report["head_cache_before_removal"]
+    assert_staged_once_from_source(node_caches["replacement"], digits16)
+    assert staged(node_caches["head"]) == report["head_cache_before_removal"]
 
     client, run = only_mlflow_run(storage)
     assert run.info.status == "FINISHED"
