@@ -130,7 +130,7 @@ def assert_staged_once_from_source(cache: Path, digits16) -> None:
 @pytest.fixture(scope="module")
 def node_lost_run(tmp_path_factory, digits16):
     """A 3-epoch run spread over two nodes; after its first checkpoint the worker node is removed and
-    another joins (one run for both tests below: each is ~1 min of this machine's 2 cores)."""
+    another joins. Both tests below read it: one run where there were two (~1–2 min each on 2 cores)."""
     root = tmp_path_factory.mktemp("two-nodes")
     storage, node_caches = root / "shared", caches(root)
     with pytest.MonkeyPatch.context() as monkeypatch:
