@@ -1,6 +1,4 @@
 """`python -m pipeline` is the `vitsweep` command."""
-import sys
+from pipeline.cli import entry_point
 
-from pipeline.cli import main
-
-sys.exit(main())
+entry_point()

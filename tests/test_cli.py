@@ -1,4 +1,5 @@
 """The `vitsweep` command: help, exit codes (0 ok, 2 invalid input, 1 failure), doctor, config."""
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -22,6 +23,44 @@ def test_console_script_prints_help_with_every_subcommand():
 def test_python_dash_m_pipeline_is_the_same_command():
     result = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "doctor" in result.stdout
+
+
+# A command whose main leaves garbage only the collection at interpreter exit frees (a reference cycle with
+# a finalizer, the collector off until then) and an exit handler that prints without flushing.
+_ENDING = """
+import atexit, gc, sys
+import pipeline.cli
+
+class Collected:
+    def __del__(self, open=open, path=sys.argv[1]):  # builtins are gone by then
+        open(path, "w").close()
+
+def main():
+    gc.disable()
+    cycle = Collected()
+    cycle.self = cycle
+    atexit.register(lambda: print("exit handler ran", end=""))
+    return 3
+
+pipeline.cli.main = main
+{end}
+"""
+
+
+@pytest.mark.parametrize("end, collected", [("pipeline.cli.entry_point()", False), ("sys.exit(main())", True)],
+                         ids=["entry point", "plain exit"])
+def test_the_command_ends_once_its_exit_handlers_ran_skipping_pythons_last_collection(tmp_path, end, collected):
+    """The installed script and `python -m pipeline` end in ``entry_point``: with main's exit code, after
+    the exit handlers (Ray's shutdown, the log files) and their output, without the seconds Python's
+    last garbage collection takes after a training command (the plain exit, the control, pays them)."""
+    marker = tmp_path / "collected"
+    program = _ENDING.format(end=end)
+    result = subprocess.run([sys.executable, "-c", program, str(marker)], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "exit handler ran", "")
+    assert marker.exists() is collected
+    script = {entry.name: entry.value for entry in importlib.metadata.entry_points(group="console_scripts")}
+    assert script["vitsweep"] == "pipeline.cli:entry_point"
+    assert (REPO / "pipeline" / "__main__.py").read_text().endswith("\nentry_point()\n")
 
 
 def test_doctor_reports_each_component_and_passes_here(tmp_path):
