@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from pipeline import interrupts
 from pipeline.cli import compare, config, data, doctor, evaluate, models, predict, register, train, tune
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def entry_point() -> None:
+def entry_point() -> NoReturn:
     """The installed `vitsweep` (and `python -m pipeline`): ``main``, then the process ends once
     Python's exit handlers ran (Ray's shutdown, MLflow's and the log files' flushes, ffcv's threads).
 
