@@ -9,7 +9,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import mlflow_server
+from conftest import mlflow_server, wait_for
 from pipeline.tracking import ui_link
 from pipeline.transfer import PLAN_ARTIFACT, SWEEP_SOURCES
 
@@ -84,9 +84,13 @@ def test_a_fine_tuned_trials_page_leads_to_the_model_it_started_from_and_on_to_t
     trial = min(trials, key=lambda run: run.info.run_name)
     browser.open(ui_link(server, source.info.experiment_id, run_id=trial.info.run_id))
     browser.wait_for_text(trial.info.run_name, "Logged models")
+    # the links come with later requests than the text (the run's input models, the model's run): a page
+    # whose text has settled can still lack them (CI, stop 34)
+    [to_model, *_] = wait_for(lambda: browser.script(LINKS_TO_JS, f"/models/{source_model.model_id}"), 60,
+                              "the run page's link to its input model")
     browser.screenshot(screenshots / "finetuned_run.png")
-    [to_model, *_] = browser.script(LINKS_TO_JS, f"/models/{source_model.model_id}")  # the run's input, linked
     browser.open(to_model)
     browser.wait_for_text(source_model.model_id, "Source run", PRETRAINED)
+    wait_for(lambda: browser.script(LINKS_TO_JS, f"/runs/{source.info.run_id}"), 60,
+             "the model page's link to the run that trained it")
     browser.screenshot(screenshots / "source_model.png")
-    assert browser.script(LINKS_TO_JS, f"/runs/{source.info.run_id}")  # the model's page links its training run
