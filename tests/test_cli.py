@@ -63,6 +63,15 @@ def test_the_command_ends_once_its_exit_handlers_ran_skipping_pythons_last_colle
     assert (REPO / "pipeline" / "__main__.py").read_text().endswith("\nentry_point()\n")
 
 
+@pytest.mark.parametrize("end", ["pipeline.cli.entry_point()", "sys.exit(main())"], ids=["entry point", "plain exit"])
+@pytest.mark.parametrize("exit_call, code, stderr", [("sys.exit(4)", 4, ""), ("sys.exit()", 0, ""),
+                                                      ("sys.exit('no such thing')", 1, "no such thing\n")])
+def test_a_library_exiting_inside_the_command_ends_it_with_the_code_python_gives(end, exit_call, code, stderr):
+    program = f"import sys\nimport pipeline.cli\ndef main():\n    {exit_call}\npipeline.cli.main = main\n{end}\n"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (code, stderr)
+
+
 def test_doctor_reports_each_component_and_passes_here(tmp_path):
     result = subprocess.run(
         [str(VITSWEEP), "doctor", "--set", f"run.storage_path={tmp_path}"],

@@ -55,7 +55,11 @@ def entry_point() -> NoReturn:
         os._exit(code)
 
     atexit.register(end_now)
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exit_:  # a library's sys.exit inside main: the code Python would exit with
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        raise
     sys.exit(code)
 
 
