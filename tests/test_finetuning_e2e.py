@@ -85,7 +85,7 @@ def test_a_fine_tuned_trials_page_leads_to_the_model_it_started_from_and_on_to_t
     browser.open(ui_link(server, source.info.experiment_id, run_id=trial.info.run_id))
     browser.wait_for_text(trial.info.run_name, "Logged models")
     # the links come with later requests than the text (the run's input models, the model's run): a page
-    # whose text has settled can still lack them (CI, stop 34)
+    # whose text has settled can still lack them
     [to_model, *_] = wait_for(lambda: browser.script(LINKS_TO_JS, f"/models/{source_model.model_id}"), 60,
                               "the run page's link to its input model")
     browser.screenshot(screenshots / "finetuned_run.png")
