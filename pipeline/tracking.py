@@ -12,6 +12,7 @@ import getpass
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from ray.train import UserCallback
 
 from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
 from pipeline.console import library_prints, say
-from pipeline.data.atomic import write_text_atomically
+from pipeline.data.atomic import partial_path, publish_if_absent, write_text_atomically
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
@@ -196,12 +197,45 @@ def update_run_record(run_dir: Path, **entries: str) -> None:
     write_text_atomically(run_dir / RUN_RECORD, json.dumps(record) + "\n")
 
 
+def open_client(uri: str) -> MlflowClient:
+    """A client of the store at ``uri``, a new local one created whole first (``create_sqlite_store``)."""
+    if uri.startswith("sqlite:///"):
+        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
+    return MlflowClient(uri)
+
+
+def create_sqlite_store(database: Path) -> None:
+    """Create the SQLite store ``database`` unless it exists, so that it appears whole or not at all.
+
+    MLflow creates a store's tables in the file itself, by ~4 s of schema migrations. A command ended
+    meanwhile (a signal while the driver's checks open the store on a thread that dies with it) left a
+    half-migrated file, refused ever after as an "out-of-date database schema"; two commands creating
+    it at once collided on the same migration. Built in the system's temporary directory, the store
+    is copied beside its place and linked there, never over one another command made meanwhile.
+    """
+    if database.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    database.parent.mkdir(parents=True, exist_ok=True)
+    final_uri = f"sqlite:///{database}"
+    with tempfile.TemporaryDirectory(prefix="vitsweep-new-store-") as scratch:
+        built = Path(scratch) / database.name
+        SqlAlchemyStore(f"sqlite:///{built}", local_artifact_root(final_uri)).engine.dispose()
+        partial = partial_path(database)
+        try:
+            shutil.copyfile(built, partial)
+            publish_if_absent(partial, database)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
 class MlflowStore:
     """One MLflow store: its experiments and the runs in them (reading; runs are written by ``MlflowRun``)."""
 
     def __init__(self, uri: str):
         self.uri = uri
-        self.client = MlflowClient(uri)
+        self.client = open_client(uri)
 
     def experiment_id(self, experiment: str) -> str:
         """The id of the named experiment, created (artifacts beside a local store) if it is new."""
@@ -248,7 +282,7 @@ class MlflowRun:
 
     def __init__(self, uri: str, run_id: str, client: MlflowClient | None = None):
         self.uri, self.run_id = uri, run_id
-        self.client = client or MlflowClient(uri)
+        self.client = client or open_client(uri)
 
     @classmethod
     def open_or_continue(cls, uri: str, experiment: str, run_dir: Path, run_name: str,

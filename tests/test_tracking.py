@@ -1,9 +1,12 @@
 """MLflow helpers: the final model is logged without leaking a tracking URI into the process; a URI
 never carries a password into params or output; runs started at once share what they both create."""
+import contextlib
 import multiprocessing
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlflow
@@ -13,7 +16,7 @@ import torch
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import ModelCard
-from pipeline.tracking import MlflowStore, local_artifact_root, resolve_tracking_uri
+from pipeline.tracking import DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, resolve_tracking_uri
 
 
 def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
@@ -119,6 +122,57 @@ def test_commands_starting_at_once_into_a_new_experiment_both_run_in_it(tmp_path
     assert all(len(run_id) == 32 for run_id in run_ids), run_ids
     store = MlflowStore(uri)
     assert {run.info.run_id for run in store.search(store.experiment_id("new-experiment"), "")} == set(run_ids)
+
+
+def _schema_revision(database: Path) -> str | None:
+    """The MLflow schema revision ``database`` is at, read while another process may be migrating it."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=0.1)) as db:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.Error:  # not a database yet, no such table yet, or locked by the migration
+        return None
+    return row[0] if row else None
+
+
+def test_a_new_store_whose_creation_is_cut_short_is_left_absent_and_the_next_command_creates_it(tmp_path):
+    """MLflow creates a SQLite store's tables by ~4 s of migrations; a command ended meanwhile (the
+    driver's checks open the store on a thread that dies with it) must not leave a half-migrated file,
+    which MLflow refuses ever after as an "out-of-date database schema"."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    store = tmp_path / "runs" / DEFAULT_STORE_NAME
+    uri, head = f"sqlite:///{store}", _get_latest_schema_revision()
+    scratch = tmp_path / "tmp"  # the system temporary directory of the creating command
+    scratch.mkdir()
+    creating = subprocess.Popen([sys.executable, "-c", f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"],
+                                env={**os.environ, "TMPDIR": str(scratch)}, cwd=Path(__file__).parents[1])
+
+    def migrating() -> bool:
+        return any(_schema_revision(db) not in (None, head) for db in tmp_path.rglob("*.db"))
+
+    while creating.poll() is None and not migrating():
+        time.sleep(0.02)
+    assert creating.poll() is None, "the store was created before the test could cut its creation short"
+    creating.kill()
+    creating.wait()
+
+    assert not store.exists() and not list(store.parent.iterdir())  # no half store, nor a partial copy beside
+    assert MlflowStore(uri).experiment_id("vitsweep")  # the next command creates it whole
+    assert _schema_revision(store) == head
+
+
+def test_commands_starting_at_once_into_a_new_store_both_run_in_it(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def start(i, go):
+        go()  # both open the store at once: neither finds it
+        return MlflowStore(uri).create_run("vitsweep", f"run{i}").run_id
+
+    run_ids = _in_processes(start)
+    assert all(len(run_id) == 32 for run_id in run_ids), run_ids
+    store = MlflowStore(uri)
+    assert {run.info.run_id for run in store.search(store.experiment_id("vitsweep"), "")} == set(run_ids)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [DEFAULT_STORE_NAME]
 
 
 def _imported(modules: str, libraries: set[str]) -> list[str]:

@@ -34,6 +34,18 @@ def publish(partial: Path, final: Path) -> None:
     fsync_directory(final.parent)
 
 
+def publish_if_absent(partial: Path, final: Path) -> bool:
+    """``publish``, but never over a ``final`` that exists (another process published it first): whether
+    this one did. ``partial`` is left for the caller to remove."""
+    fsync_file(partial)
+    try:
+        os.link(partial, final)  # unlike a rename, a link fails where the name is taken
+    except FileExistsError:
+        return False
+    fsync_directory(final.parent)
+    return True
+
+
 def write_bytes_atomically(final: Path, data: bytes) -> None:
     partial = partial_path(final)
     try:
