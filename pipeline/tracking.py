@@ -438,16 +438,17 @@ class MlflowRun:
                 raise
             self.client.log_inputs(self.run_id, datasets=inputs)
 
-    def monitor_system(self, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
-        """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
-        System metrics tab until it is finished (or the run ends); ``None`` where the store cannot be
-        reached from this node."""
-        if self.uri.startswith("sqlite:///") and not Path(self.uri.removeprefix("sqlite:///")).exists():
-            return None  # a local store of another node
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        monitor = NodeSystemMetrics(self.run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=self.uri)
-        monitor.start()
-        return monitor
+
+def monitor_node_system(uri: str, run_id: str, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
+    """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
+    System metrics tab until it is finished (or the run ends); ``None`` where the store is a local
+    file of another node. Checked before any client exists: opening a client creates a local store."""
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    monitor = NodeSystemMetrics(run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=uri)
+    monitor.start()
+    return monitor
 
 
 def dataset_reference(location: str, sha256: str) -> tuple[str, str]:

@@ -178,9 +178,9 @@ class Trainer:
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
     def _monitor_node(self, node_rank: int) -> None:
-        from pipeline.tracking import MlflowRun
+        from pipeline.tracking import monitor_node_system
 
-        self.monitor = MlflowRun(self.plan.tracking_uri, self.plan.mlflow_run_id).monitor_system(f"node{node_rank}")
+        self.monitor = monitor_node_system(self.plan.tracking_uri, self.plan.mlflow_run_id, f"node{node_rank}")
 
     def stop_monitoring(self) -> None:
         """The node's last system-metrics sample, logged while the run is still open: a run shorter than

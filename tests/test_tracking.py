@@ -16,7 +16,8 @@ import torch
 from pipeline.config import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import ModelCard
-from pipeline.tracking import DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, resolve_tracking_uri
+from pipeline.tracking import (DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, monitor_node_system,
+                               resolve_tracking_uri)
 
 
 def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
@@ -61,11 +62,18 @@ def test_a_malformed_mlflow_tracking_uri_is_a_clear_error(monkeypatch):
 def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_first_interval(tmp_path):
     # A run shorter than one sampling interval (a 1-epoch sweep trial) still has each node's metrics.
     run = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "shorter-than-an-interval")
-    monitor = run.monitor_system("node0", interval_s=3600)
+    monitor = monitor_node_system(run.uri, run.run_id, "node0", interval_s=3600)
     monitor.finish()
     history = run.metric_history("system/node0/cpu_utilization_percentage")
     assert len(history) == 1 and 0 <= history[0].value <= 100
     assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0
+
+
+def test_a_node_without_the_local_store_monitors_nothing_and_creates_no_store_of_its_own(tmp_path):
+    # A worker on another node than the driver's: the store's file is on the driver's disk, not here.
+    elsewhere = tmp_path / "on-the-drivers-node" / DEFAULT_STORE_NAME
+    assert monitor_node_system(f"sqlite:///{elsewhere}", "0" * 32, "node1") is None
+    assert not elsewhere.parent.exists()
 
 
 def _in_processes(task, count: int = 2) -> list:
