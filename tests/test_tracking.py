@@ -152,8 +152,9 @@ def test_a_new_store_whose_creation_is_cut_short_is_left_absent_and_the_next_com
     uri, head = f"sqlite:///{store}", _get_latest_schema_revision()
     scratch = tmp_path / "tmp"  # the system temporary directory of the creating command
     scratch.mkdir()
-    creating = subprocess.Popen([sys.executable, "-c", f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"],
-                                env={**os.environ, "TMPDIR": str(scratch)}, cwd=Path(__file__).parents[1])
+    opening = f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"
+    creating = subprocess.Popen([sys.executable, "-c", opening], env={**os.environ, "TMPDIR": str(scratch)},
+                                cwd=Path(__file__).parents[1])
 
     def migrating() -> bool:
         return any(_schema_revision(db) not in (None, head) for db in tmp_path.rglob("*.db"))
