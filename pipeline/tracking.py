@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 import sys
 import tempfile
 import time
@@ -198,10 +199,45 @@ def update_run_record(run_dir: Path, **entries: str) -> None:
 
 
 def open_client(uri: str) -> MlflowClient:
-    """A client of the store at ``uri``, a new local one created whole first (``create_sqlite_store``)."""
-    if uri.startswith("sqlite:///"):
-        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
-    return MlflowClient(uri)
+    """A client of the store at ``uri``, a new local one created whole first (``create_sqlite_store``);
+    a local file that is not a whole store of this MLflow is bad input, said in one line."""
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    database = Path(uri.removeprefix("sqlite:///"))
+    create_sqlite_store(database)
+    try:
+        return MlflowClient(uri)
+    except Exception as error:  # noqa: BLE001  (MLflow's schema check, or SQLAlchemy and alembic re-creating a half store)
+        raise InvalidInputError(unopenable_store_problem(uri, database, error)) from None
+
+
+def unopenable_store_problem(uri: str, database: Path, error: Exception) -> str:
+    """Why the SQLite store cannot be opened, and what to do: a file left half-created (by a command
+    stopped while it created it, before vitsweep built stores whole) holds no runs and can be moved aside."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    reason = f"MLflow store {uri} cannot be opened: {(str(error).strip().splitlines() or [repr(error)])[0]}"
+    try:
+        revision, runs = sqlite_store_facts(database)
+    except sqlite3.Error:  # not a SQLite database at all: MLflow's reason says so
+        return reason
+    head = _get_latest_schema_revision()
+    if revision == head:
+        return reason
+    return (f"MLflow store {uri} cannot be opened: its schema is at revision {revision or '(none)'}, MLflow "
+            f"{mlflow.__version__}'s at {head}, and it holds {runs} run(s). A store whose creation was cut short "
+            f"holds none: move {database} aside and the next command creates a new store. A store of an older "
+            f"MLflow is upgraded by `mlflow db upgrade {uri}` (back it up first)")
+
+
+def sqlite_store_facts(database: Path) -> tuple[str | None, int]:
+    """The MLflow schema revision of a SQLite store and how many runs it holds, read without MLflow."""
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        revision = (db.execute("SELECT version_num FROM alembic_version").fetchone() or [None])[0] \
+            if "alembic_version" in tables else None
+        runs = db.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+    return revision, runs
 
 
 def create_sqlite_store(database: Path) -> None:

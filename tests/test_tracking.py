@@ -142,6 +142,22 @@ def _schema_revision(database: Path) -> str | None:
     return row[0] if row else None
 
 
+def _cut_short_while_migrating(code: str, tmp_path: Path) -> None:
+    """Run ``code`` in a new interpreter (its temporary directory under ``tmp_path``) and SIGKILL it as soon
+    as a SQLite file under ``tmp_path`` is part-way through MLflow's schema migrations."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    head, scratch = _get_latest_schema_revision(), tmp_path / "tmp"
+    scratch.mkdir()
+    creating = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(scratch)},
+                                cwd=Path(__file__).parents[1], stderr=subprocess.DEVNULL)
+    while creating.poll() is None and not any(_schema_revision(db) not in (None, head) for db in tmp_path.rglob("*.db")):
+        time.sleep(0.02)
+    assert creating.poll() is None, "the store was created before the test could cut its creation short"
+    creating.kill()
+    creating.wait()
+
+
 def test_a_new_store_whose_creation_is_cut_short_is_left_absent_and_the_next_command_creates_it(tmp_path):
     """MLflow creates a SQLite store's tables by ~4 s of migrations; a command ended meanwhile (the
     driver's checks open the store on a thread that dies with it) must not leave a half-migrated file,
@@ -149,25 +165,33 @@ def test_a_new_store_whose_creation_is_cut_short_is_left_absent_and_the_next_com
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     store = tmp_path / "runs" / DEFAULT_STORE_NAME
-    uri, head = f"sqlite:///{store}", _get_latest_schema_revision()
-    scratch = tmp_path / "tmp"  # the system temporary directory of the creating command
-    scratch.mkdir()
-    opening = f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"
-    creating = subprocess.Popen([sys.executable, "-c", opening], env={**os.environ, "TMPDIR": str(scratch)},
-                                cwd=Path(__file__).parents[1])
-
-    def migrating() -> bool:
-        return any(_schema_revision(db) not in (None, head) for db in tmp_path.rglob("*.db"))
-
-    while creating.poll() is None and not migrating():
-        time.sleep(0.02)
-    assert creating.poll() is None, "the store was created before the test could cut its creation short"
-    creating.kill()
-    creating.wait()
+    uri = f"sqlite:///{store}"
+    _cut_short_while_migrating(f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})", tmp_path)
 
     assert not store.exists() and not list(store.parent.iterdir())  # no half store, nor a partial copy beside
     assert MlflowStore(uri).experiment_id("vitsweep")  # the next command creates it whole
-    assert _schema_revision(store) == head
+    assert _schema_revision(store) == _get_latest_schema_revision()
+
+
+def test_a_store_left_half_created_is_refused_in_one_line_saying_what_to_do(tmp_path):
+    # The file CI's interrupted command left before stores were built whole: every table made, its last
+    # migration not recorded (the revision CI's store stopped at), no run.
+    store = tmp_path / DEFAULT_STORE_NAME
+    uri = f"sqlite:///{store}"
+    MlflowStore(uri)
+    with contextlib.closing(sqlite3.connect(store)) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '75868b020152'")
+
+    # The next command, a new process (MLflow keeps the store it opened in this one).
+    opening = subprocess.run([sys.executable, "-c", f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"],
+                             capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    last = opening.stderr.strip().splitlines()[-1]
+    assert last.startswith("pipeline.errors.InvalidInputError: "), opening.stderr[-3000:]
+    problem = last.removeprefix("pipeline.errors.InvalidInputError: ")
+    assert problem.startswith(f"MLflow store {uri} cannot be opened: its schema is at revision 75868b020152, "
+                              f"MLflow {mlflow.__version__}'s at "), problem
+    assert "\n" not in problem and "holds 0 run(s)" in problem, problem
+    assert f"move {store} aside" in problem and f"`mlflow db upgrade {uri}`" in problem, problem
 
 
 def test_commands_starting_at_once_into_a_new_store_both_run_in_it(tmp_path):
