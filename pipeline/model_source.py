@@ -46,7 +46,8 @@ from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
 from pipeline.modeling import build_model, checked_model
-from pipeline.tracking import LOGGED_MODEL_FILES, RUN_RECORD, is_local_store, read_run_record, require_reachable
+from pipeline.tracking import (LOGGED_MODEL_FILES, RUN_RECORD, is_local_store, open_client, read_run_record,
+                               require_reachable)
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
                      "registered_model", "mlflow_model_dir"]
@@ -300,8 +301,6 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
 
 def _open_store(given: str, tracking_uri: str):
     """A client of the store; a local store must exist already (opening one creates it)."""
-    from mlflow.tracking import MlflowClient
-
     if is_local_store(tracking_uri):
         location = Path(tracking_uri.removeprefix("sqlite:///").removeprefix("file://"))
         if not location.exists():
@@ -309,7 +308,7 @@ def _open_store(given: str, tracking_uri: str):
                                     f"({location} does not exist)")
     else:
         require_reachable(tracking_uri)
-    return MlflowClient(tracking_uri)
+    return open_client(tracking_uri)
 
 
 def _logged_model_of_run(given: str, client) -> tuple[str, str]:
