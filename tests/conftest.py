@@ -35,6 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 
+def pytest_report_header(config) -> str:
+    """The host's processor: on the same 2 cores the suite's wall time differs ~1.8x between the hosts
+    this machine kind runs on (benchmarks/RESULTS.md, "The suite's wall time"), so a time needs its host."""
+    cpuinfo = Path("/proc/cpuinfo")
+    first = cpuinfo.read_text().split("\n\n", 1)[0] if cpuinfo.exists() else ""
+    facts = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    facts = {key.strip(): value.strip() for key, value in facts.items()}
+    if "model name" not in facts:
+        return f"host: processor unknown, {os.cpu_count()} cores"
+    return (f"host: {facts['model name']} (family {facts.get('cpu family', '?')}, model {facts.get('model', '?')}), "
+            f"{float(facts.get('cpu MHz', 'nan')):.0f} MHz, {os.cpu_count()} cores")
+
+
 @pytest.fixture(scope="session")
 def digits16(tmp_path_factory) -> dict[str, Path]:
     """The offline digits dataset at 16 px, written once per test session (train and val .beton)."""
