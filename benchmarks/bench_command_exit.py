@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     args = parser.parse_args()
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.prepare import prepare_digits
 
     cfg = load_config("smoke")

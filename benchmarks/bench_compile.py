@@ -21,7 +21,7 @@ def build_engine(model_name: str, img_size: int, batch: int, compiled: bool):
     import deepspeed
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
     from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model

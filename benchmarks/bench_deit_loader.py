@@ -94,7 +94,7 @@ def timm_epochs(folder: Path, args):
 def vitsweep_epochs(beton: Path, args, cpu_share_only: bool = False):
     """The full recipe on the CPU; or (``cpu_share_only``) only what stays on a GPU node's CPU cores --
     decode, crop, flip -- with RandAugment, erasing and Mixup left to the GPU."""
-    from pipeline.config import AugmentConfig, DataConfig
+    from pipeline.config.schema import AugmentConfig, DataConfig
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader
 

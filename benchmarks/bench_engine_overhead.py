@@ -30,7 +30,7 @@ def bare_step_times(model_cfg: dict, optim_cfg: dict, steps: int, warmup: int, b
     import torch
     import torch.nn.functional as F
 
-    from pipeline.config import ModelConfig, OptimConfig
+    from pipeline.config.schema import ModelConfig, OptimConfig
     from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
     from pipeline.optim import build_optimizer
@@ -58,7 +58,7 @@ def ray_worker(config: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    from pipeline.config import ExperimentConfig
+    from pipeline.config.schema import ExperimentConfig
     from pipeline.engine import deepspeed_config
     from pipeline.lr_scaling import effective_lr
     from pipeline.modeling import build_model
@@ -118,7 +118,7 @@ def main() -> None:
 
     import ray
 
-    from pipeline.config import validate
+    from pipeline.config.loading import validate
 
     experiment = validate({
         "model": {"name": args.model, "img_size": args.img_size},

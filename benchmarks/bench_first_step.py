@@ -27,7 +27,7 @@ def main() -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.prepare import prepare_digits
 
     with tempfile.TemporaryDirectory() as storage:

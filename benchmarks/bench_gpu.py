@@ -118,7 +118,7 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     import deepspeed
     import torch
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader
     from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
@@ -228,7 +228,7 @@ def main() -> None:
 
     from models.measure import build_on_meta, count_gmacs
     from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.runtime import quiet_numba_finalizers
 
     quiet_numba_finalizers()

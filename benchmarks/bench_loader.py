@@ -55,7 +55,7 @@ def timed_epochs(batches, epochs: int) -> float:
 
 
 def bench_ffcv(path: Path, args) -> float:
-    from pipeline.config import AugmentConfig, DataConfig
+    from pipeline.config.schema import AugmentConfig, DataConfig
     from pipeline.data.loaders import build_train_loader
 
     data = DataConfig(
@@ -70,7 +70,7 @@ def bench_torchvision(root: Path, args) -> float:
     import torch
     from torchvision import datasets, transforms
 
-    from pipeline.config import DataConfig
+    from pipeline.config.schema import DataConfig
 
     defaults = DataConfig()
     transform = transforms.Compose([

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_model
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.console import library_prints
 from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.config import ModelConfig
+from pipeline.config.schema import ModelConfig
 from pipeline.console import library_prints
-from pipeline.data.atomic import write_text_atomically
+from pipeline.atomic import write_text_atomically
 from pipeline.data.sidecar import sha256_of
 from pipeline.errors import InvalidInputError
 

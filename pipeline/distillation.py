@@ -11,7 +11,7 @@ from timm.task.distillation import DistillationTeacher
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import DataConfig, DistillConfig
+from pipeline.config.schema import DataConfig, DistillConfig
 from pipeline.errors import InvalidInputError
 
 

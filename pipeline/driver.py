@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from pipeline import interrupts
-from pipeline.config import ExperimentConfig, load_config
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import load_config
 from pipeline.console import LOG_FILE_NAME, active_console, quiet_environment
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import Interrupted, InvalidInputError

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.config import ExperimentConfig
+from pipeline.config.schema import ExperimentConfig
 from pipeline.lr_scaling import global_batch_size
 
 # BatchNorm's running statistics: fp32 under bf16/fp16 (keep_batchnorm_in_fp32).

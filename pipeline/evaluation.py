@@ -26,7 +26,7 @@ import torch
 
 from pipeline import evaluation_report as report
 from pipeline import uris
-from pipeline.config import DataConfig, ExperimentConfig
+from pipeline.config.schema import DataConfig, ExperimentConfig
 from pipeline.console import active_console
 from pipeline.data.verification import verify_dataset
 from pipeline.data.loaders import build_val_loader

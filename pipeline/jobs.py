@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from pipeline import uris
-from pipeline.config import ExperimentConfig
+from pipeline.config.schema import ExperimentConfig
 from pipeline.data.staging import CACHE_DIR_ENV
 from pipeline.errors import InvalidInputError
 

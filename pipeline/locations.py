@@ -3,7 +3,7 @@
 A path below a file, on a read-only or virtual filesystem (``/proc``) or without permission would
 otherwise fail as a traceback from deep inside MLflow, Ray or ffcv once work has begun; here it is
 bad input (exit 2) naming the setting, the path and the reason. The rule for one path is
-``pipeline.config.location_problem``; this module lists the paths.
+``pipeline.uris.location_problem``; this module lists the paths.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from pipeline import uris
-from pipeline.config import ExperimentConfig, location_problem
+from pipeline.config.schema import ExperimentConfig
+from pipeline.uris import location_problem
 from pipeline.data.verification import verified_record_path
 from pipeline.data.staging import CACHE_DIR_ENV, cache_dir_for
 from pipeline.errors import InvalidInputError

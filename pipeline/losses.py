@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.config import ExperimentConfig
+from pipeline.config.schema import ExperimentConfig
 from pipeline.data.augment import BatchAugment
 from pipeline.distillation import HardDistillationLoss, build_teacher
 

@@ -1,6 +1,6 @@
 """The learning rate from the global batch: the one place a run's rate is computed.
 
-A config gives AdamW's rate one way (``pipeline.config.OptimConfig``): absolutely (``optim.lr``),
+A config gives AdamW's rate one way (``pipeline.config.schema.OptimConfig``): absolutely (``optim.lr``),
 or as DeiT writes it, per 512 images of global batch (``optim.lr_per_512``). The global batch is
 micro batch x grad accumulation x world size, so a per-batch rate follows ``scaling.num_workers``
 and ``optim.micro_batch_size`` without an edit, by ``optim.lr_scaling``:
@@ -24,7 +24,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.config import OptimConfig
+    from pipeline.config.schema import OptimConfig
 
 DEFAULT_LR = 5e-4  # the rate of a config giving neither optim.lr nor optim.lr_per_512: DeiT's, absolute
 REFERENCE_BATCH = 512  # optim.lr_per_512 is the rate at this global batch (DeiT: 5e-4 per 512)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.config import DataConfig, ExperimentConfig, ModelConfig
+from pipeline.config.schema import DataConfig, ExperimentConfig, ModelConfig
 from pipeline.errors import InvalidInputError
 
 CARD_FORMAT = "vitsweep.model.v1"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import models  # noqa: F401  (registers vitsweep's variants with timm)
-from pipeline.config import ModelConfig
+from pipeline.config.schema import ModelConfig
 from pipeline.errors import ConfigError
 
 

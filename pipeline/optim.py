@@ -9,7 +9,7 @@ from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils.model_ema import ModelEmaV3
 from torch import nn
 
-from pipeline.config import OptimConfig
+from pipeline.config.schema import OptimConfig
 
 # Besides 1-D tensors (norms, biases, F-SNE codes) and what a model's no_weight_decay() names,
 # these never decay: XCiT's per-head temperatures are [heads, 1, 1], so the 1-D rule misses them.

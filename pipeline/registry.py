@@ -22,7 +22,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved, _validate_model_name
 
 from pipeline import uris
-from pipeline.config import ExperimentConfig, validate
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import validate
 from pipeline.errors import InvalidInputError
 from pipeline.model_source import resolve_model_source
 from pipeline.tracking import (LOGGED_MODEL_NAME, MlflowRun, _fluent_tracking_uri, require_reachable,

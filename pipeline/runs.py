@@ -41,7 +41,7 @@ from models.measure import count_gmacs, count_params, params_by_module
 from pipeline import interrupts, uris
 from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
                                     checkpoints_newest_first, model_identity, read_meta)
-from pipeline.config import ExperimentConfig, ModelConfig
+from pipeline.config.schema import ExperimentConfig, ModelConfig
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.distillation import build_teacher

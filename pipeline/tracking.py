@@ -33,9 +33,10 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from pipeline.config import ExperimentConfig, location_problem, uri_password_problem
+from pipeline.config.schema import ExperimentConfig
+from pipeline.uris import location_problem, uri_password_problem
 from pipeline.console import library_prints, say
-from pipeline.data.atomic import partial_path, publish_if_absent, write_text_atomically
+from pipeline.atomic import partial_path, publish_if_absent, write_text_atomically
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX

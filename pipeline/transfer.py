@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from pipeline import uris
-from pipeline.config import ModelConfig, get_dotted
+from pipeline.config.schema import ModelConfig
+from pipeline.config.loading import get_dotted
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.model_card import ModelCard
 from pipeline.modeling import build_model

@@ -5,12 +5,16 @@ A URI reaches the console, the logs, MLflow params and ``config.yaml``; a creden
 (``user:password@host``, a token as the user name, ``?token=...``, a presigned ``X-Amz-Signature``)
 must reach none of them. ``credentials_in`` says what kind of secret a URI holds without quoting it
 (validation refuses such URIs); ``redact`` masks every secret in any text that names URIs, so an
-error message from a filesystem or a server can be printed.
+error message from a filesystem or a server can be printed. ``location_problem`` is the rule every
+configured path and URI passes before anything is written there.
 """
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from pathlib import Path
+from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
 
 MASK = "***"
@@ -54,7 +58,7 @@ def write_bytes(location: str, data: bytes) -> None:
     """``data`` as the file at ``location`` (a local path or a URI), its parent created; a local
     file appears complete or not at all (written beside, then renamed), as an object store's does."""
     if not is_uri(location):
-        from pipeline.data.atomic import write_bytes_atomically
+        from pipeline.atomic import write_bytes_atomically
 
         final = Path(location)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -128,3 +132,64 @@ def _redact_uri(uri: str) -> str:
 def _mask_parameter(item: str) -> str:
     key, equals, _ = item.partition("=")
     return f"{key}={MASK}" if equals and _SECRET_QUERY.search(key) else item
+
+
+def uri_password_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be an MLflow tracking URI (malformed, or carries a credential), else None.
+
+    Never quotes the credential."""
+    try:
+        urlsplit(uri).port  # noqa: B018  (parsing the port is what rejects a malformed authority)
+    except ValueError:
+        return f"is not a valid URI ({redact(uri).partition('://')[2] or 'malformed host'})"
+    credential = credentials_in(uri)
+    if credential is None:
+        return None
+    return (f"embeds {credential}, which would be logged as an MLflow param, saved in config.yaml and "
+            "printed; give the URI without it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+            "(or MLFLOW_TRACKING_TOKEN) for an MLflow server, PGPASSWORD / ~/.pgpass for a PostgreSQL store")
+
+
+def location_problem(location: str | Path | None, kind: Literal["file", "directory"] | None = None,
+                     create: bool = False) -> str | None:
+    """Why a local path or URI cannot be used as given, else None: a URI carrying a credential; a local
+    path below an existing file (nothing can ever be created there); an existing path of the wrong
+    ``kind`` (a directory given for a file, or a file for a directory); with ``create``, a path where
+    this process cannot create or write a directory (a read-only or virtual filesystem, no permission)."""
+    if location is None:
+        return None
+    location = str(location)
+    if is_uri(location):
+        credential = credentials_in(location)
+        if credential:
+            return (f"the URI embeds {credential}, which would be printed, logged and saved in config.yaml; "
+                    "give it without, and the credentials to the filesystem instead (AWS_* / "
+                    "GOOGLE_APPLICATION_CREDENTIALS variables, ~/.netrc, or fsspec's config)")
+        return None
+    path = Path(location).expanduser().absolute()
+    if kind == "directory" and path.exists() and not path.is_dir():
+        return f"{str(path)!r} is a file, and a directory is needed here; choose another path"
+    if kind == "file" and path.is_dir():
+        return f"{str(path)!r} is a directory, and a file is needed here; name the file inside it"
+    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        return f"{str(blocking)!r} is a file, so nothing can exist below it; choose a path under a directory"
+    if create:
+        return _creation_problem(path.parent if kind == "file" else path)
+    return None
+
+
+def _creation_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created or written in, found by creating (and removing at once) a
+    directory in it or its nearest existing ancestor: root passes every permission check, yet cannot
+    create anything in /proc or on a read-only mount."""
+    existing = next(candidate for candidate in (directory, *directory.parents) if candidate.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vitsweep-probe-", dir=existing))
+    except OSError as err:
+        reason = err.strerror or str(err)
+        if existing == directory:
+            return f"{str(directory)!r} is not writable: the system refuses to create anything in it ({reason})"
+        return (f"{str(directory)!r} cannot be created: the system refuses to create a directory in "
+                f"{str(existing)!r} ({reason})")
+    return None

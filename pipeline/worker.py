@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
                                     save_final_weights, use_weights_only_loading)
-from pipeline.config import ExperimentConfig
+from pipeline.config.schema import ExperimentConfig
 from pipeline.console import say, say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader

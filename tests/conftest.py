@@ -51,7 +51,7 @@ def pytest_report_header(config) -> str:
 @pytest.fixture(scope="session")
 def digits16(tmp_path_factory) -> dict[str, Path]:
     """The offline digits dataset at 16 px, written once per test session (train and val .beton)."""
-    from pipeline.config import DataConfig
+    from pipeline.config.schema import DataConfig
     from pipeline.data.prepare import prepare_digits
 
     root = tmp_path_factory.mktemp("digits16")
@@ -87,7 +87,7 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     import torch
     from safetensors.torch import save_model
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.sidecar import read_sidecar
     from pipeline.model_card import ModelCard
     from pipeline.modeling import build_model

@@ -26,7 +26,7 @@ from pipeline.checkpointing import (
     use_weights_only_loading,
     verify_checkpoint,
 )
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pipeline.checkpointing import (DEEPSPEED_TAG, load_checkpoint, model_identity, save_checkpoint,
                                     use_weights_only_loading)
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
 

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from pipeline.accelerator import minimum_driver
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

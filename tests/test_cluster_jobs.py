@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.engine import deepspeed_config
 from pipeline.lr_scaling import effective_lr, global_batch_size
 

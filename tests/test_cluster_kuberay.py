@@ -15,7 +15,7 @@ import pytest
 import ray
 import yaml
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.engine import deepspeed_config
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"

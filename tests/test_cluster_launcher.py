@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import ray.autoscaler
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.engine import deepspeed_config
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"

@@ -79,7 +79,7 @@ def _on_two_nodes(plan: dict, results) -> None:
         import ray
         from ray.cluster_utils import Cluster
 
-        from pipeline.config import load_config
+        from pipeline.config.loading import load_config
 
         caches = {name: Path(path) for name, path in plan["caches"].items()}
         cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **node_args(caches["head"])})

@@ -1,7 +1,8 @@
 """Where a multi-node run's pieces land: each node stages onto its own disk, workers spread or pack."""
 import pytest
 
-from pipeline.config import DataConfig, load_config
+from pipeline.config.schema import DataConfig
+from pipeline.config.loading import load_config
 from pipeline.data.staging import CACHE_DIR_ENV, cache_dir_for
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import build_parser
-from pipeline.config import ExperimentConfig, load_config
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import load_config
 from pipeline.lr_scaling import effective_lr, global_batch_size
 from pipeline.sweeps.runner import TrialResources, base_config
 from pipeline.sweeps.spaces import load_spaces

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

@@ -2,7 +2,8 @@
 import pytest
 import yaml
 
-from pipeline.config import ExperimentConfig, available_presets, load_config, parse_override, validate
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import available_presets, load_config, parse_override, validate
 from pipeline.errors import ConfigError, InvalidInputError
 
 

@@ -2,7 +2,7 @@
 the reason, because DeepSpeed, FFCV and NCCL would each pick a different GPU."""
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.prepare import prepare_digits
 from pipeline.data.sidecar import read_sidecar
 from pipeline.errors import InvalidInputError

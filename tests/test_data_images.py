@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.images import UnreadableImageError, as_rgb_array, decode_image, read_image, to_model_input
 from pipeline.data.inspection import export_samples
 from pipeline.data.loaders import build_val_loader

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError, check_beton
 from pipeline.data.loaders import build_train_loader
 from pipeline.data.sidecar import SidecarError, read_sidecar, sidecar_path

@@ -3,7 +3,7 @@ batch (else each rank's loader thread opens a context on GPU 0). On CPU it must 
 batch for batch, epoch after epoch."""
 import torch
 
-from pipeline.config import AugmentConfig, DataConfig
+from pipeline.config.schema import AugmentConfig, DataConfig
 from pipeline.data.loaders import ORDERS, DeviceLoader, train_pipelines
 from pipeline.data.runtime import ThreadCountPreservingLoader
 from pipeline.data.sources import DigitsSource

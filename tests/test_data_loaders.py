@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from conftest import free_port, gloo_rank
-from pipeline.config import AugmentConfig, DataConfig
+from pipeline.config.schema import AugmentConfig, DataConfig
 from pipeline.data.loaders import build_train_loader, build_val_loader, rank_sample_count
 from pipeline.data.sources import DigitsSource, ImageSource
 from pipeline.data.writing import write_beton

@@ -31,7 +31,7 @@ def test_ffcvs_import_time_numba_compile_is_cached_on_disk(tmp_path):
 # In a fresh interpreter: numba's finalizer noise depends on what was compiled before in the process.
 _LOADER_GC_SCRIPT = """
 import gc, json, sys
-from pipeline.config import AugmentConfig, DataConfig
+from pipeline.config.schema import AugmentConfig, DataConfig
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
 
@@ -92,7 +92,7 @@ def test_other_unraisable_exceptions_still_reach_the_previous_hook(recorded_unra
 
 _ABANDON_MID_EPOCH_SCRIPT = """
 import sys
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.loaders import build_train_loader
 
 loader = build_train_loader(DataConfig(num_workers=1, batches_ahead=3), sys.argv[1], 64, 32, "cpu")

@@ -9,7 +9,7 @@ from conftest import copy_with_sidecar
 from pipeline.data.integrity import ChecksumMismatchError, check_beton
 from pipeline.data.sidecar import SidecarError, chunk_sha256s, parse_sidecar, read_sidecar, sidecar_path
 from pipeline.data.sources import DigitsSource
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.staging import StagingError, cache_dir_for, read_location_sidecar, stage_dataset
 from pipeline.data.writing import write_beton
 from pipeline.errors import InvalidInputError

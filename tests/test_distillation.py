@@ -7,7 +7,7 @@ from safetensors.torch import save_model
 
 import models  # noqa: F401
 from conftest import run_vitsweep, train_command
-from pipeline.config import DataConfig, DistillConfig
+from pipeline.config.schema import DataConfig, DistillConfig
 from pipeline.distillation import HardDistillationLoss, build_teacher
 from pipeline.errors import InvalidInputError
 

@@ -1,7 +1,7 @@
 """The DeepSpeed JSON is derived from the experiment config, never typed separately."""
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.engine import ZERO_BUCKET_ELEMENTS, deepspeed_config
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

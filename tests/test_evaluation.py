@@ -15,7 +15,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import EXIT_INVALID_INPUT, main
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import VITSWEEP, vitsweep_env
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import load_config, load_yaml
+from pipeline.config.loading import load_config, load_yaml
 from pipeline.errors import ConfigError
 
 

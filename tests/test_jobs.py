@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.jobs import RAY_JOB_ENV, check_paths_outlive_job, git_provenance, ray_job_id
 

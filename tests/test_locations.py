@@ -5,7 +5,7 @@ would have tripped over it."""
 import pytest
 
 from pipeline.cli import EXIT_INVALID_INPUT, main
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.locations import check_can_create, run_directories
 from pipeline.tracking import check_reachable

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 
 import models  # noqa: F401
-from pipeline.config import DataConfig, DistillConfig, load_config
+from pipeline.config.schema import DataConfig, DistillConfig
+from pipeline.config.loading import load_config
 from pipeline.data.augment import BatchAugment
 from pipeline.distillation import HardDistillationLoss, build_teacher
 from pipeline.losses import TrainingLoss, build_training_loss

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError
 from pipeline.lr_scaling import describe_lr, effective_lr, global_batch_size
 from pipeline.optim import build_optimizer, build_scheduler

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, CorruptCheckpointError, model_identity,
                                     save_checkpoint, save_final_weights, use_weights_only_loading)
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import ModelCard
 from pipeline.model_source import resolve_model_source

@@ -4,7 +4,7 @@ import timm
 import torch
 
 import models  # noqa: F401
-from pipeline.config import OptimConfig, ScheduleConfig
+from pipeline.config.schema import OptimConfig, ScheduleConfig
 from pipeline.lr_scaling import effective_lr
 from pipeline.optim import build_optimizer, build_scheduler, lr_at
 

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import save_model
 
 from pipeline.cli import EXIT_INVALID_INPUT, main
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.model_card import ModelCard
 from pipeline.model_source import resolve_model_source

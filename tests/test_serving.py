@@ -17,7 +17,7 @@ from mlflow.exceptions import MlflowException
 from PIL import Image
 from safetensors.torch import save_model
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
 from pipeline.modeling import build_model

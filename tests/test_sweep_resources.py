@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import wait_for
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.sweeps.resources import (ClusterDidNotGrow, ClusterGrowthDeadline, TrialResources, concurrent_trials,
                                       growth_notice)

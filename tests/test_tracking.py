@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.model_card import ModelCard
 from pipeline.tracking import (DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, monitor_node_system,

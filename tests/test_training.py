@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.model_source import resolve_model_source
 from pipeline.tracking import MlflowRun

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 
-from pipeline.config import ModelConfig, OptimConfig, load_config
+from pipeline.config.schema import ModelConfig, OptimConfig
+from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.model_card import ModelCard
 from pipeline.model_source import ModelSource, Provenance

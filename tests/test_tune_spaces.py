@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from pipeline.config import load_config, with_dotted
+from pipeline.config.loading import load_config, with_dotted
 from pipeline.sweeps.planning import plan_trials, resolve_trial
 from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_space,
                                     load_spaces, parse_space)

@@ -3,7 +3,7 @@ being echoed, and every message naming a URI can be redacted."""
 import pytest
 
 from pipeline.cli import EXIT_INVALID_INPUT, main
-from pipeline.config import load_config
+from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.uris import credentials_in, is_uri, redact
 

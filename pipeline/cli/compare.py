@@ -38,7 +38,7 @@ def _record(parent) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.sweeps import report
     from pipeline.sweeps.importance import format_importance, knob_importance
     from pipeline.sweeps.spaces import spaces_from_record

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.config import available_presets, load_config
+from pipeline.config.loading import available_presets, load_config
 from pipeline.lr_scaling import describe_lr, recorded_params
 
 

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 
 SOURCE_HELP = "an ImageFolder directory (one folder per class), a CIFAR-10/100 python-pickle directory, or 'digits'"
 
@@ -136,7 +136,7 @@ def _write(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from pipeline.data.inspection import decode_samples, export_samples, sample_grid, spread_indices
     from pipeline.data.integrity import check_beton
-    from pipeline.config import location_problem
+    from pipeline.uris import location_problem
     from pipeline.errors import InvalidInputError
     from pipeline.locations import check_can_create
 
@@ -184,7 +184,7 @@ def _stage(args: argparse.Namespace) -> int:
 
     from pydantic import TypeAdapter, ValidationError
 
-    from pipeline.config import location_problem
+    from pipeline.uris import location_problem
     from pipeline.data.staging import stage_dataset
     from pipeline.errors import InvalidInputError
     from pipeline.locations import check_can_create
@@ -203,7 +203,7 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.prepare import prepare_digits
     from pipeline.locations import check_can_create
 

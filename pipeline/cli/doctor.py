@@ -16,7 +16,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pipeline.cli.config import add_config_arguments
-from pipeline.config import ExperimentConfig, load_config
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import load_config
 
 # What a node is for (`--node`); without it, every check the config calls for.
 NODE_ROLES = {

@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, console) -> int:
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.data.runtime import quiet_numba_finalizers
     from pipeline.errors import InvalidInputError
     from pipeline.evaluation import (announce, class_name_differences, evaluate_here, evaluate_on_ray,

@@ -79,7 +79,7 @@ def _show(args: argparse.Namespace) -> int:
 
     from models import VARIANTS
     from models.measure import build_on_meta, count_params, params_by_module
-    from pipeline.config import parse_override
+    from pipeline.config.loading import parse_override
 
     if not timm.is_model(args.name):
         raise InvalidInputError(f"{args.name!r} is not a registered model (see `vitsweep models list`)")

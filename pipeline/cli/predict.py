@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.console import command_console
     from pipeline.data.images import UnreadableImageError
     from pipeline.model_source import resolve_model_source

@@ -45,7 +45,7 @@ def announce(registration) -> str:
 def _run(args: argparse.Namespace) -> int:
     import os
 
-    from pipeline.config import load_config
+    from pipeline.config.loading import load_config
     from pipeline.registry import register_source
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the resolver's downloads

@@ -20,7 +20,7 @@ from timm.data.random_erasing import RandomErasing
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
-from pipeline.config import AugmentConfig
+from pipeline.config.schema import AugmentConfig
 import pipeline.data.runtime  # noqa: F401  (first: imports ffcv keeping torch's thread count)
 from pipeline.data.rand_augment import BatchRandAugment
 

@@ -22,7 +22,7 @@ import numba
 import torch
 import torch.distributed as dist
 
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 from pipeline.data.augment import RandAugment
 from pipeline.data.integrity import check_beton
 from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads, stopped_at_exit

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline.config import DataConfig, ExperimentConfig
+from pipeline.config.schema import DataConfig, ExperimentConfig
 from pipeline.console import active_console
 from pipeline.data.sidecar import WriteOptions, sidecar_path
 from pipeline.data.sources import DigitsSource

@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.data.atomic import write_text_atomically
+from pipeline.atomic import write_text_atomically
 from pipeline.errors import InvalidInputError
 
 SIDECAR_FORMAT = "vitsweep.beton.v1"

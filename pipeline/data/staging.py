@@ -26,8 +26,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline.config import DataConfig
-from pipeline.data.atomic import PARTIAL_MARK, partial_path, publish
+from pipeline.config.schema import DataConfig
+from pipeline.atomic import PARTIAL_MARK, partial_path, publish
 from pipeline.data.integrity import CorruptDatasetError
 from pipeline.data.ranged_copy import copy_verified_ranges
 from pipeline.data.sidecar import SIDECAR_SUFFIX, Sidecar, SidecarError, parse_sidecar, read_sidecar, sidecar_path, write_sidecar

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline.data.atomic import write_text_atomically
+from pipeline.atomic import write_text_atomically
 from pipeline.data.integrity import (
     ChecksumMismatchError, CorruptDatasetError, check_beton, check_sidecar_names, verify_sha256,
 )

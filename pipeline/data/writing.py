@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data.atomic import partial_path, publish
+from pipeline.atomic import partial_path, publish
 from pipeline.data.integrity import read_contents
 from pipeline.data.runtime import FFCV_VERSION, preserved_torch_threads
 from pipeline.data.sidecar import (

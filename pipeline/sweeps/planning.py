@@ -26,7 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ExperimentConfig, get_dotted, validate, with_dotted
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import get_dotted, validate, with_dotted
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.modeling import model_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError

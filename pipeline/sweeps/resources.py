@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ray.tune import Callback
 
-from pipeline.config import ExperimentConfig
+from pipeline.config.schema import ExperimentConfig
 from pipeline.console import active_console
 from pipeline.errors import InvalidInputError, RunFailed
 

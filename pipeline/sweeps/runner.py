@@ -26,7 +26,8 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
 from pipeline import interrupts, uris
-from pipeline.config import ExperimentConfig, apply_overrides, load_config, validate, with_dotted
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
 from pipeline.driver import ray_address, start_ray
 from pipeline.jobs import check_paths_outlive_job

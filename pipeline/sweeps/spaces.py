@@ -35,8 +35,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from pipeline.config import (describe_error, get_dotted, load_yaml, location_problem, read_utf8, schema_problem,
-                             with_dotted, yaml_number)
+from pipeline.config.loading import (describe_error, get_dotted, load_yaml, read_utf8, schema_problem, with_dotted,
+    yaml_number)
+from pipeline.uris import location_problem
 from pipeline.errors import InvalidInputError
 
 SPACE_DIR = Path(__file__).resolve().parents[2] / "tune_spaces"

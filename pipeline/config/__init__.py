@@ -1,0 +1,1 @@
+"""The experiment config: its schema (``schema``) and how it is read (``loading``)."""
