@@ -44,14 +44,14 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 
 # Without a GPU, DeepSpeed JIT-compiles its shared-memory comm op on first start (minutes); build
 # it once here, into torch's extension cache, so no training run or test pays for it (with the ninja
-# every worker uses: pipeline.engine.use_the_environments_ninja). torch builds into
+# every worker uses: pipeline.components.engine.use_the_environments_ninja). torch builds into
 # $TORCH_EXTENSIONS_DIR/<op> where that is set, else into a per-build folder of ~/.cache/torch_extensions.
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 deepspeed-cpu-ops: $(STAMP)
 	@if ! $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then :; \
 	elif ls $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/*.so $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so 2>/dev/null | grep -q .; then :; \
 	else echo "setup: building DeepSpeed's CPU comm op once (a few minutes)"; \
-	  DS_ACCELERATOR=cpu $(BIN)/python -c "from pipeline.engine import use_the_environments_ninja; \
+	  DS_ACCELERATOR=cpu $(BIN)/python -c "from pipeline.components.engine import use_the_environments_ninja; \
 	    use_the_environments_ninja(); from deepspeed.accelerator import get_accelerator; \
 	    get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
 	  || { echo "setup: DeepSpeed's CPU comm op failed to build (needs g++)" >&2; exit 1; }; fi
@@ -66,8 +66,8 @@ test: setup browser-packages
 
 # Mutation testing of one core module against its fast unit tests (pyproject's [tool.mutmut]): every
 # mutant mutmut makes of MODULE, then the score and each survivor. Minutes to an hour on 2 cores; not CI.
-MUTATION_MODULES := pipeline.metrics pipeline.losses pipeline.optim pipeline.checkpointing models.layers.mgcrp \
-	pipeline.data.rand_augment models.layers.svpn
+MUTATION_MODULES := pipeline.components.metrics pipeline.components.losses pipeline.components.optim \
+	pipeline.components.checkpointing models.layers.mgcrp pipeline.data.rand_augment models.layers.svpn
 mutation: mutation-module setup
 	@test -x $(BIN)/mutmut || $(BIN)/python -m pip install -q -c constraints.txt -e ".[mutation]"
 	rm -rf mutants

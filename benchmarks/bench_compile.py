@@ -1,7 +1,7 @@
 """torch.compile (inductor, through DeepSpeed's engine.compile()) vs eager: one training step.
 
-Two DeepSpeed engines of the same model, built as the worker builds them (pipeline.modeling,
-pipeline.optim, pipeline.engine), train on the same pre-generated batches in one process: the eager
+Two DeepSpeed engines of the same model, built as the worker builds them (pipeline.components.modeling,
+pipeline.components.optim, pipeline.components.engine), train on the same pre-generated batches in one process: the eager
 one and the one compile_engine() compiled. The compile itself (first steps) is timed separately;
 then the two alternate, round by round, and the medians of their step times give the ratio.
 
@@ -22,10 +22,10 @@ def build_engine(model_name: str, img_size: int, batch: int, compiled: bool):
     import torch
 
     from pipeline.config.loading import load_config
-    from pipeline.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer
+    from pipeline.components.engine import compile_engine, deepspeed_config, keep_batchnorm_in_fp32
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer
 
     cfg = load_config("smoke", [f"model.name={model_name}", f"model.img_size={img_size}",
                                 f"optim.micro_batch_size={batch}", f"deepspeed.compile={compiled}"])

@@ -1,6 +1,6 @@
 """DeepSpeed engine inside a Ray Train worker vs a bare PyTorch loop: same model, batch, data.
 
-Both sides train the same timm model with the same AdamW groups (pipeline.optim) on the same
+Both sides train the same timm model with the same AdamW groups (pipeline.components.optim) on the same
 pre-generated batches, single process each, one CPU thread each (what a Ray worker with
 cpus_per_worker=1 gets), measured side by side in one run: bare, Ray, bare, Ray, ...
 Reports the median optimizer-step time of each and their ratio (goal: Ray+DeepSpeed <= 1.10x).
@@ -31,9 +31,9 @@ def bare_step_times(model_cfg: dict, optim_cfg: dict, steps: int, warmup: int, b
     import torch.nn.functional as F
 
     from pipeline.config.schema import ModelConfig, OptimConfig
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -59,10 +59,10 @@ def ray_worker(config: dict) -> None:
     import torch.nn.functional as F
 
     from pipeline.config.schema import ExperimentConfig
-    from pipeline.engine import deepspeed_config
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer
+    from pipeline.components.engine import deepspeed_config
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

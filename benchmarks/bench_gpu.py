@@ -5,13 +5,13 @@ For each model, one process on one GPU, measured one after the other in one run:
 - **vitsweep**: the worker's step as it builds it (the A100 job's config, cluster/jobs/a100_8x8.yaml,
   at this batch): an FFCV loader (pipeline.data.loaders) over a generated ImageNet-like JPEG .beton
   with the job's augmentations, BatchAugment (random erasing, Mixup/CutMix) on the GPU, a DeepSpeed
-  engine (pipeline.engine: bf16, ZeRO-2) with BatchNorm in fp32, optional engine.compile().
+  engine (pipeline.components.engine: bf16, ZeRO-2) with BatchNorm in fp32, optional engine.compile().
 - **timm**: timm's benchmark.py train mode: the same timm model, channels_last, a bf16 autocast loop
   with AdamW, on synthetic batches already on the GPU (no loader, no augmentation).
 
 Busy % is NVML's utilization.gpu (nvidia-smi sampled every 100 ms while the timed steps run); MFU is
 models/measure.py's multiply-adds x 6 (forward + backward, 2 FLOPs each) x images/s over the GPU's
-dense peak (pipeline.accelerator.PEAK_TFLOPS).
+dense peak (pipeline.components.accelerator.PEAK_TFLOPS).
 
     python benchmarks/bench_gpu.py                                        # a GPU node: XCiT-N12, XCiT-S12 at 224 px
     python benchmarks/bench_gpu.py --device cpu --steps 2 --img-size 32   # dry run of the same code paths on CPU
@@ -36,7 +36,7 @@ NUM_CLASSES = 1000  # ImageNet's head on both sides
 
 def refuse_without_gpu() -> str:
     """The GPU summary line, or exit 2 with why this node cannot run the benchmark."""
-    from pipeline.accelerator import GpuUnavailableError, check_gpu_node
+    from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 
     try:
         return check_gpu_node()
@@ -121,10 +121,10 @@ def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path
     from pipeline.config.loading import load_config
     from pipeline.data.augment import BatchAugment
     from pipeline.data.loaders import build_train_loader
-    from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer, build_scheduler
+    from pipeline.components.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer, build_scheduler
 
     gpu = device.type == "cuda"
     cfg = load_config(str(JOB), [
@@ -227,7 +227,7 @@ def main() -> None:
     import torch
 
     from models.measure import build_on_meta, count_gmacs
-    from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
+    from pipeline.components.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
     from pipeline.config.loading import load_config
     from pipeline.data.runtime import quiet_numba_finalizers
 

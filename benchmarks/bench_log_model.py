@@ -25,8 +25,8 @@ from safetensors.torch import save_model
 
 from pipeline.config.loading import load_config
 from pipeline.console import library_prints
-from pipeline.model_card import ModelCard
-from pipeline.modeling import build_model
+from pipeline.components.model_card import ModelCard
+from pipeline.components.modeling import build_model
 from pipeline.tracking import MlflowStore, _fluent_tracking_uri
 
 

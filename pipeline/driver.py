@@ -23,7 +23,7 @@ from pipeline.data.prepare import prepare_offline_data
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.jobs import check_paths_outlive_job
 from pipeline.locations import check_can_create, run_directories
-from pipeline.lr_scaling import describe_lr
+from pipeline.components.lr_scaling import describe_lr
 
 if TYPE_CHECKING:
     from pipeline.runs import CheckedRun, TrainingOutcome

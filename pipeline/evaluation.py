@@ -33,8 +33,8 @@ from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import Sidecar
 from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.errors import InvalidInputError, RunFailed
-from pipeline.metrics import ConfusionTally
-from pipeline.model_card import EvalPreprocessing
+from pipeline.components.metrics import ConfusionTally
+from pipeline.components.model_card import EvalPreprocessing
 from pipeline.model_source import ModelSource, Provenance, resolve_model_source
 from pipeline.tracking import (MlflowRun, MlflowStore, command_line, dataset_reference, require_reachable,
                                resolve_tracking_uri, run_origin)
@@ -152,7 +152,7 @@ class SampleRecorder:
 
 def _evaluate_shard(source: ModelSource, data: DataConfig, path: Path, preprocessing: EvalPreprocessing,
                     batch_size: int, device: torch.device, distributed: bool) -> tuple[dict, torch.Tensor, dict]:
-    from pipeline.metrics import evaluate
+    from pipeline.components.metrics import evaluate
 
     model = source.build(preprocessing.img_size).to(device)
     loader = build_val_loader(data, path, batch_size, preprocessing.img_size, device, distributed=distributed)

@@ -40,12 +40,12 @@ from timm.models import clean_state_dict
 from torch import nn
 
 from pipeline import uris
-from pipeline.checkpointing import (EMA_WEIGHTS_FILE, META_FILE, WEIGHTS_FILE, CorruptCheckpointError,
-                                    checkpoint_state_dict, checkpoints_newest_first, read_meta, verify_checkpoint)
+from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, META_FILE, WEIGHTS_FILE, CorruptCheckpointError,
+    checkpoint_state_dict, checkpoints_newest_first, read_meta, verify_checkpoint)
 from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
-from pipeline.modeling import build_model, checked_model
+from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
+from pipeline.components.modeling import build_model, checked_model
 from pipeline.tracking import (LOGGED_MODEL_FILES, RUN_RECORD, is_local_store, open_client, read_run_record,
                                require_reachable)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeline.data.images import UnreadableImageError, read_image, to_model_input
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import EvalPreprocessing, ModelCard
+from pipeline.components.model_card import EvalPreprocessing, ModelCard
 from pipeline.model_source import ModelSource
 
 DEFAULT_TOPK = 5

@@ -39,19 +39,19 @@ from safetensors.torch import load_model
 import models
 from models.measure import count_gmacs, count_params, params_by_module
 from pipeline import interrupts, uris
-from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
-                                    checkpoints_newest_first, model_identity, read_meta)
+from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
+    checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config.schema import ExperimentConfig, ModelConfig
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
-from pipeline.distillation import build_teacher
+from pipeline.components.distillation import build_teacher
 from pipeline.console import active_console
-from pipeline.engine import deepspeed_config
+from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
-from pipeline.lr_scaling import describe_lr, recorded_params
-from pipeline.model_card import ModelCard
-from pipeline.modeling import build_model, checked_model
+from pipeline.components.lr_scaling import describe_lr, recorded_params
+from pipeline.components.model_card import ModelCard
+from pipeline.components.modeling import build_model, checked_model
 from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
                                read_run_record, require_reachable, resolve_tracking_uri, run_origin,
                                update_run_record)

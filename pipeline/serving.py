@@ -35,7 +35,7 @@ from PIL import Image
 
 from pipeline.data.images import UnreadableImageError, as_rgb_array, decode_image
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.model_source import MLMODEL_FILE, read_logged_model_directory
 from pipeline.prediction import DEFAULT_TOPK, ImageClassifier
 

@@ -38,7 +38,7 @@ from pipeline.uris import location_problem, uri_password_problem
 from pipeline.console import library_prints, say
 from pipeline.atomic import partial_path, publish_if_absent, write_text_atomically
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import MLFLOW_METADATA_KEY, ModelCard
+from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
 
 DEFAULT_STORE_NAME = "mlflow.db"

@@ -45,8 +45,8 @@ from pipeline import uris
 from pipeline.config.schema import ModelConfig
 from pipeline.config.loading import get_dotted
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.model_card import ModelCard
-from pipeline.modeling import build_model
+from pipeline.components.model_card import ModelCard
+from pipeline.components.modeling import build_model
 
 if TYPE_CHECKING:  # the resolver imports MLflow, which the workers (loading the saved source) never need
     from pipeline.model_source import ModelSource, Provenance

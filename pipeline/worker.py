@@ -21,22 +21,22 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
-                                    save_final_weights, use_weights_only_loading)
+from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
+    save_final_weights, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
 from pipeline.console import say, say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
 from pipeline.data.staging import cache_dir_for, stage_dataset
-from pipeline.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
-from pipeline.engine import (compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32,
-                             low_precision_autocast, use_the_environments_ninja)
-from pipeline.losses import build_training_loss
-from pipeline.lr_scaling import effective_lr
-from pipeline.metrics import evaluate
-from pipeline.modeling import build_model
-from pipeline.optim import build_ema, build_optimizer, build_scheduler
+from pipeline.components.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
+from pipeline.components.engine import (compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32,
+    low_precision_autocast, use_the_environments_ninja)
+from pipeline.components.losses import build_training_loss
+from pipeline.components.lr_scaling import effective_lr
+from pipeline.components.metrics import evaluate
+from pipeline.components.modeling import build_model
+from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
 

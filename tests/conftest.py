@@ -89,8 +89,8 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
 
     from pipeline.config.loading import load_config
     from pipeline.data.sidecar import read_sidecar
-    from pipeline.model_card import ModelCard
-    from pipeline.modeling import build_model
+    from pipeline.components.model_card import ModelCard
+    from pipeline.components.modeling import build_model
     from pipeline.tracking import MlflowStore, run_origin
 
     storage = tmp_path_factory.mktemp("logged-run")
@@ -172,8 +172,8 @@ def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[st
 
     from pipeline.data.loaders import build_val_loader
     from pipeline.data.sidecar import read_sidecar
-    from pipeline.engine import input_dtype, keep_batchnorm_in_fp32
-    from pipeline.metrics import evaluate
+    from pipeline.components.engine import input_dtype, keep_batchnorm_in_fp32
+    from pipeline.components.metrics import evaluate
 
     dtype, weights = input_dtype(cfg), model.state_dict()
     model.to(dtype)
@@ -373,7 +373,7 @@ def single_process_group():
     import deepspeed.utils.groups as deepspeed_groups
     import torch.distributed as dist
 
-    from pipeline.engine import use_the_environments_ninja
+    from pipeline.components.engine import use_the_environments_ninja
 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",

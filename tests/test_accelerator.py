@@ -1,4 +1,4 @@
-"""pipeline/accelerator.py: the NVIDIA driver against torch's CUDA build (with the real strings
+"""pipeline/components/accelerator.py: the NVIDIA driver against torch's CUDA build (with the real strings
 nvidia-smi and /proc print), `vitsweep doctor` failing a GPU config on a node without usable GPUs,
 the peak TFLOP/s table and MFU, and the GPU math settings."""
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from pipeline.accelerator import (GpuUnavailableError, check_driver_supports, configure_gpu_math, mfu, parse_driver_version,
-                                  peak_tflops, training_tflops)
+from pipeline.components.accelerator import (GpuUnavailableError, check_driver_supports, configure_gpu_math, mfu,
+    parse_driver_version, peak_tflops, training_tflops)
 from pipeline.cli import EXIT_OK, main
 from conftest import VITSWEEP, vitsweep_env
 
@@ -113,7 +113,7 @@ def test_gpu_math_sets_matmul_and_conv_fp32_precision_and_cudnn_autotuning(tf32,
 def test_a_gpu_worker_without_usable_gpus_stops_before_changing_the_math_settings():
     # A fresh process with no GPU visible (none here; hidden on a GPU machine), as a worker starts.
     script = ("import torch\n"
-              "from pipeline.accelerator import GpuUnavailableError, prepare_gpu_worker\n"
+              "from pipeline.components.accelerator import GpuUnavailableError, prepare_gpu_worker\n"
               "try:\n    prepare_gpu_worker(tf32=True)\n"
               "except GpuUnavailableError as err:\n    print('refused:', err)\n"
               "print('matmul', torch.backends.cuda.matmul.fp32_precision)\n")

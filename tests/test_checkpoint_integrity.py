@@ -1,5 +1,5 @@
 """Checkpoints that cannot be read are named, and skipped for the newest intact one: real DeepSpeed
-checkpoints written by pipeline.checkpointing, then truncated or overwritten."""
+checkpoints written by pipeline.components.checkpointing, then truncated or overwritten."""
 import json
 import logging
 import os
@@ -10,22 +10,9 @@ import zipfile
 import pytest
 import torch
 
-from pipeline.checkpointing import (
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    DEEPSPEED_TAG,
-    MANIFEST_PREFIX,
-    check_run_checkpoints,
-    checkpoint_to_resume,
-    checkpoints_newest_first,
-    latest_intact_checkpoint,
-    load_checkpoint,
-    model_identity,
-    read_meta,
-    save_checkpoint,
-    use_weights_only_loading,
-    verify_checkpoint,
-)
+from pipeline.components.checkpointing import (CheckpointMismatchError, CorruptCheckpointError, DEEPSPEED_TAG,
+    MANIFEST_PREFIX, check_run_checkpoints, checkpoint_to_resume, checkpoints_newest_first, latest_intact_checkpoint,
+    load_checkpoint, model_identity, read_meta, save_checkpoint, use_weights_only_loading, verify_checkpoint)
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
@@ -35,10 +22,10 @@ def engine(single_process_group):
     """A one-process DeepSpeed ZeRO-1 engine of the smoke model (gloo on CPU)."""
     import deepspeed
 
-    from pipeline.engine import deepspeed_config
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer, build_scheduler
+    from pipeline.components.engine import deepspeed_config
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1"])
     model = build_model(cfg.model, num_classes=10)
@@ -214,7 +201,7 @@ def test_checkpoints_are_ordered_by_epoch_not_by_when_they_were_written(run_dir)
 def test_the_newest_intact_checkpoint_is_picked_with_a_warning_naming_the_bad_file(run_dir, caplog):
     states = _model_states(run_dir / "checkpoint_epoch1")
     states.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.components.checkpointing"):
         assert latest_intact_checkpoint(run_dir) == run_dir / "checkpoint_epoch0"
     (warning,) = caplog.messages
     assert warning.startswith(f"skipping a corrupt checkpoint: checkpoint file {str(states)!r} is 0 bytes, ")
@@ -228,7 +215,7 @@ def test_a_worker_handed_a_corrupt_checkpoint_resumes_from_the_intact_one_and_lo
     engine, identity = engine
     states = _model_states(run_dir / "checkpoint_epoch1")
     states.write_bytes(b"PK\x03\x04 truncated")
-    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.components.checkpointing"):
         chosen = checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir)
     assert chosen == run_dir / "checkpoint_epoch0"
     handed_warning = caplog.messages[-1]  # after latest_intact_checkpoint's own, for the same file
@@ -244,7 +231,7 @@ def test_a_worker_handed_an_intact_checkpoint_keeps_it(run_dir):
 def test_with_no_intact_checkpoint_left_training_starts_afresh_rather_than_failing_again(run_dir, caplog):
     for epoch in (0, 1):
         _model_states(run_dir / f"checkpoint_epoch{epoch}").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.components.checkpointing"):
         assert checkpoint_to_resume(run_dir / "checkpoint_epoch1", run_dir) is None
     handed_warning = caplog.messages[-1]
     states = _model_states(run_dir / "checkpoint_epoch1")
@@ -254,7 +241,7 @@ def test_with_no_intact_checkpoint_left_training_starts_afresh_rather_than_faili
 
 def test_a_worker_handed_a_corrupt_checkpoint_without_its_run_directory_starts_afresh(run_dir, caplog):
     _model_states(run_dir / "checkpoint_epoch1").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.components.checkpointing"):
         assert checkpoint_to_resume(run_dir / "checkpoint_epoch1", None) is None
     assert caplog.messages[-1].endswith("; no intact checkpoint is left, so training starts again from epoch 0")
 
@@ -279,7 +266,7 @@ def test_torch_itself_fails_on_the_file_verification_refuses(run_dir):
 
 def test_a_rerun_is_told_before_any_worker_which_intact_checkpoint_it_resumes(run_dir, caplog):
     (run_dir / "checkpoint_epoch1" / "vitsweep_manifest_rank0.json").write_text("{truncated")
-    with caplog.at_level(logging.WARNING, logger="pipeline.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.components.checkpointing"):
         assert check_run_checkpoints(run_dir) == run_dir / "checkpoint_epoch0"
     assert "vitsweep_manifest_rank0.json" in caplog.text
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.checkpointing import (DEEPSPEED_TAG, load_checkpoint, model_identity, save_checkpoint,
-                                    use_weights_only_loading)
+from pipeline.components.checkpointing import (DEEPSPEED_TAG, load_checkpoint, model_identity, save_checkpoint,
+    use_weights_only_loading)
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
@@ -21,10 +21,10 @@ def trainer(single_process_group):
     """A ZeRO-1 engine of a one-block smoke model with its scheduler (warming up) and an EMA."""
     import deepspeed
 
-    from pipeline.engine import deepspeed_config
-    from pipeline.modeling import build_model
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.optim import build_ema, build_optimizer, build_scheduler
+    from pipeline.components.engine import deepspeed_config
+    from pipeline.components.modeling import build_model
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["model.args.depth=1", "scaling.num_workers=1", "optim.ema_decay=0.5",
                                 "optim.epochs=2", "optim.schedule.warmup_epochs=1"])

@@ -181,7 +181,7 @@ def test_make_mutation_refuses_a_module_outside_the_core_ones_before_installing_
     result = subprocess.run(["make", "--no-print-directory", "mutation", "MODULE=pipeline.worker"],
                             cwd=REPO, capture_output=True, text=True, env=_env())
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "MODULE=pipeline.worker is not one of: pipeline.metrics pipeline.losses" in result.stderr
+    assert "MODULE=pipeline.worker is not one of: pipeline.components.metrics pipeline.components.losses" in result.stderr
 
 
 def test_the_readme_mutation_command_names_a_module_make_mutation_accepts():

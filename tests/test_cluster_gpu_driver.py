@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.accelerator import minimum_driver
+from pipeline.components.accelerator import minimum_driver
 from pipeline.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config.loading import load_config
-from pipeline.engine import deepspeed_config
-from pipeline.lr_scaling import effective_lr, global_batch_size
+from pipeline.components.engine import deepspeed_config
+from pipeline.components.lr_scaling import effective_lr, global_batch_size
 
 JOBS = sorted((Path(__file__).resolve().parents[1] / "cluster" / "jobs").glob("*.yaml"))
 BASE_LR, BASE_BATCH = 5e-4, 512  # DeiT/XCiT: lr = 5e-4 x global batch / 512
@@ -49,7 +49,7 @@ def test_job_gives_deits_rate_per_512_images_so_the_rate_follows_the_cluster(pat
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
 def test_job_uses_zero2_because_its_model_states_fit_one_a100(path):
     from models.measure import count_params
-    from pipeline.modeling import build_model
+    from pipeline.components.modeling import build_model
 
     cfg = load_config(str(path))
     params = count_params(build_model(cfg.model, 1000, device="meta"))

@@ -16,7 +16,7 @@ import ray
 import yaml
 
 from pipeline.config.loading import load_config
-from pipeline.engine import deepspeed_config
+from pipeline.components.engine import deepspeed_config
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 KUBERAY = CLUSTER / "kuberay"

@@ -12,7 +12,7 @@ import yaml
 
 import ray.autoscaler
 from pipeline.config.loading import load_config
-from pipeline.engine import deepspeed_config
+from pipeline.components.engine import deepspeed_config
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 # Each launcher config and the job config it is sized for.

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import vitsweep_env
-from pipeline.accelerator import GpuUnavailableError, check_gpu_node
+from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

@@ -13,7 +13,7 @@ import pytest
 from pipeline.cli import build_parser
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import load_config
-from pipeline.lr_scaling import effective_lr, global_batch_size
+from pipeline.components.lr_scaling import effective_lr, global_batch_size
 from pipeline.sweeps.runner import TrialResources, base_config
 from pipeline.sweeps.spaces import load_spaces
 

@@ -8,7 +8,7 @@ from safetensors.torch import save_model
 import models  # noqa: F401
 from conftest import run_vitsweep, train_command
 from pipeline.config.schema import DataConfig, DistillConfig
-from pipeline.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.distillation import HardDistillationLoss, build_teacher
 from pipeline.errors import InvalidInputError
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.config.loading import load_config
-from pipeline.engine import ZERO_BUCKET_ELEMENTS, deepspeed_config
+from pipeline.components.engine import ZERO_BUCKET_ELEMENTS, deepspeed_config
 
 
 def test_train_batch_size_is_micro_times_accumulation_times_world_size():

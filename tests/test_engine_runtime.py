@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipeline.config.loading import load_config
-from pipeline.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
+from pipeline.components.engine import compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 DATA_VARIANCE = 1.05
@@ -65,7 +65,7 @@ def test_a_compiled_bf16_engine_takes_the_same_steps_as_the_eager_one(single_pro
     torch.testing.assert_close(compiled_bn.running_var, eager_bn.running_var, atol=2e-3, rtol=0)
 
 
-LOAD_THE_CPU_COMM_OP = ("from pipeline.engine import use_the_environments_ninja; use_the_environments_ninja(); "
+LOAD_THE_CPU_COMM_OP = ("from pipeline.components.engine import use_the_environments_ninja; use_the_environments_ninja(); "
                         "from deepspeed.accelerator import get_accelerator; "
                         "print(get_accelerator().create_op_builder('ShareMemCommBuilder').load().__file__)")
 

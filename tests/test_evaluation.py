@@ -20,8 +20,8 @@ from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton
 from pipeline.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
-from pipeline.metrics import ConfusionTally
-from pipeline.metrics import evaluate
+from pipeline.components.metrics import ConfusionTally
+from pipeline.components.metrics import evaluate
 from conftest import VITSWEEP, run_vitsweep
 from test_data_images import NoiseSource
 

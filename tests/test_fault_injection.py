@@ -15,9 +15,9 @@ from ray.train import Result
 from safetensors.torch import load_model
 
 from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command, wait_for
-from pipeline.checkpointing import read_meta
+from pipeline.components.checkpointing import read_meta
 from pipeline.config.loading import load_config
-from pipeline.modeling import build_model
+from pipeline.components.modeling import build_model
 from pipeline.runs import unregistered_checkpoints
 from test_tune_e2e import tune_command
 

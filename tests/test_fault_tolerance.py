@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import RunningVitsweep, train_command, wait_for
-from pipeline.checkpointing import read_meta
+from pipeline.components.checkpointing import read_meta
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import models  # noqa: F401
 from pipeline.config.schema import DataConfig, DistillConfig
 from pipeline.config.loading import load_config
 from pipeline.data.augment import BatchAugment
-from pipeline.distillation import HardDistillationLoss, build_teacher
-from pipeline.losses import TrainingLoss, build_training_loss
+from pipeline.components.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.losses import TrainingLoss, build_training_loss
 
 
 def test_a_single_output_gets_the_task_loss():

@@ -10,8 +10,8 @@ import torch
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError
-from pipeline.lr_scaling import describe_lr, effective_lr, global_batch_size
-from pipeline.optim import build_optimizer, build_scheduler
+from pipeline.components.lr_scaling import describe_lr, effective_lr, global_batch_size
+from pipeline.components.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 PER_BATCH = ["optim.lr=null", "optim.lr_per_512=5e-4"]  # DeiT's 5e-4 per 512 images

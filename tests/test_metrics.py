@@ -9,7 +9,7 @@ import torch.multiprocessing as torch_mp
 from torch import nn
 
 from conftest import free_port, gloo_rank
-from pipeline.metrics import Tally, evaluate
+from pipeline.components.metrics import Tally, evaluate
 
 NUM_CLASSES = 10
 

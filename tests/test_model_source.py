@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
-from pipeline.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, CorruptCheckpointError, model_identity,
-                                    save_checkpoint, save_final_weights, use_weights_only_loading)
+from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, CorruptCheckpointError, model_identity,
+    save_checkpoint, save_final_weights, use_weights_only_loading)
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
-from pipeline.modeling import build_model
+from pipeline.components.modeling import build_model
 from pipeline.tracking import MlflowRun, MlflowStore
 
 CLASSES = tuple(f"digit {i}" for i in range(10))
@@ -51,10 +51,10 @@ class TrainedRun:
 def _engine(overrides: list[str]):
     import deepspeed
 
-    from pipeline.engine import deepspeed_config
-    from pipeline.lr_scaling import effective_lr
-    from pipeline.modeling import build_model
-    from pipeline.optim import build_optimizer, build_scheduler
+    from pipeline.components.engine import deepspeed_config
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer, build_scheduler
 
     cfg = load_config("smoke", ["scaling.num_workers=1", "model.args.qkv=fsne", "model.args.code_size=8", *overrides])
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def trained(single_process_group, tmp_path_factory) -> TrainedRun:
     registered as version 1 of REGISTERED with the alias ``champion``."""
     from ray.train import Checkpoint, Result
 
-    from pipeline.optim import build_ema
+    from pipeline.components.optim import build_ema
     from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, log_final_model
 
     storage = tmp_path_factory.mktemp("runs")

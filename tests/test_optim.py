@@ -5,8 +5,8 @@ import torch
 
 import models  # noqa: F401
 from pipeline.config.schema import OptimConfig, ScheduleConfig
-from pipeline.lr_scaling import effective_lr
-from pipeline.optim import build_optimizer, build_scheduler, lr_at
+from pipeline.components.lr_scaling import effective_lr
+from pipeline.components.optim import build_optimizer, build_scheduler, lr_at
 
 
 def _decayed_names(model, optimizer):
@@ -128,7 +128,7 @@ def test_scheduler_sets_the_optimizer_lr_each_step():
 
 
 def test_ema_keeps_an_fp32_shadow_that_moves_toward_the_model():
-    from pipeline.optim import build_ema
+    from pipeline.components.optim import build_ema
 
     model = torch.nn.Linear(4, 2).to(torch.bfloat16)
     ema = build_ema(model, OptimConfig(ema_decay=0.5))

@@ -13,9 +13,9 @@ from safetensors.torch import save_model
 from pipeline.cli import EXIT_INVALID_INPUT, main
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
-from pipeline.modeling import build_model
+from pipeline.components.modeling import build_model
 from pipeline.sweeps.tracking import open_child_run, open_parent_run
 from pipeline.tracking import MlflowStore
 

@@ -18,9 +18,9 @@ from PIL import Image
 from safetensors.torch import save_model
 
 from pipeline.config.loading import load_config
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
-from pipeline.modeling import build_model
+from pipeline.components.modeling import build_model
 from pipeline.prediction import ImageClassifier
 from pipeline.serving import pip_requirements
 from pipeline.tracking import MlflowStore

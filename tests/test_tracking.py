@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.tracking import (DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, monitor_node_system,
                                resolve_tracking_uri)
 

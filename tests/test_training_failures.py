@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import run_vitsweep, train_command
-from pipeline.checkpointing import weights_only_checkpoint_engine
+from pipeline.components.checkpointing import weights_only_checkpoint_engine
 
 
 def test_invalid_config_exits_2_before_any_worker_starts(tmp_path, digits16):

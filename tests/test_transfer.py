@@ -17,10 +17,10 @@ from timm.layers import resample_abs_pos_embed
 from pipeline.config.schema import ModelConfig, OptimConfig
 from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.model_card import ModelCard
+from pipeline.components.model_card import ModelCard
 from pipeline.model_source import ModelSource, Provenance
-from pipeline.modeling import build_model
-from pipeline.optim import build_optimizer, build_scheduler
+from pipeline.components.modeling import build_model
+from pipeline.components.optim import build_optimizer, build_scheduler
 from pipeline.transfer import (InitialWeights, fill_template, freeze_backbone, load_initial_weights, plan_transfer,
                                read_saved_source, resolve_initial_weights, save_source, saved_source_header, shapes_of,
                                train_head_only)
@@ -236,7 +236,7 @@ def test_the_schedule_scales_every_layers_rate_alike():
 def _engine(model, cfg_overrides: list[str]):
     import deepspeed
 
-    from pipeline.engine import deepspeed_config
+    from pipeline.components.engine import deepspeed_config
 
     cfg = load_config("smoke", ["scaling.num_workers=1", *cfg_overrides])
     optimizer = build_optimizer(model, cfg.optim, lr=1e-3)

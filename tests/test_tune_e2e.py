@@ -17,7 +17,7 @@ from safetensors.torch import load_model
 from conftest import (TWO_TRIALS_AT_ONCE, VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command,
                       vitsweep_env)
 from pipeline.config.loading import load_config
-from pipeline.modeling import build_model
+from pipeline.components.modeling import build_model
 
 pytestmark = pytest.mark.slow
 

@@ -100,7 +100,7 @@ def test_learning_rate_space_combines_with_a_study():
 
 @pytest.mark.parametrize("preset", ["default", "smoke"])  # the default preset gives an absolute rate
 def test_the_learning_rate_space_sweeps_the_per_batch_rate_so_each_trial_follows_its_batch(preset):
-    from pipeline.lr_scaling import effective_lr
+    from pipeline.components.lr_scaling import effective_lr
 
     space = load_spaces(["lr_wd"])
     cfg, knobs = resolve_trial(space, _base(space, preset), {"optim.lr_per_512": 1e-3, "optim.weight_decay": 0.05})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config.loading import available_presets, load_config
-from pipeline.lr_scaling import describe_lr, recorded_params
+from pipeline.components.lr_scaling import describe_lr, recorded_params
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from pipeline.modeling import check_model
+    from pipeline.components.modeling import check_model
 
     cfg = load_config(args.config, args.overrides)
     params = check_model(cfg.model)

@@ -59,7 +59,7 @@ def _torch() -> str:
 
 
 def _gpu(cfg: ExperimentConfig, node: str | None) -> str:
-    from pipeline.accelerator import GpuUnavailableError, check_gpu_node
+    from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 
     if cfg.scaling.use_gpu or node in GPU_ROLES:  # GPUs this torch cannot run: fail here, not at step 1
         return check_gpu_node()

@@ -241,16 +241,16 @@ class OptimConfig(_Section):
     """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size.
 
     The learning rate is given one way: ``lr`` (absolute) or ``lr_per_512`` (per 512 images of
-    global batch, scaled to the run's batch by ``lr_scaling``); ``pipeline.lr_scaling`` computes the
+    global batch, scaled to the run's batch by ``lr_scaling``); ``pipeline.components.lr_scaling`` computes the
     rate a run trains at. A config whose global batch depends on the cluster (``cluster/jobs/``)
     gives ``lr_per_512``, so changing ``scaling.num_workers`` or the micro batch needs no lr edit.
     """
 
     # AdamW's rate, absolute: the same whatever the global batch. null when lr_per_512 gives the
-    # rate; with neither given, DeiT's 5e-4 (pipeline.lr_scaling.DEFAULT_LR), absolute.
+    # rate; with neither given, DeiT's 5e-4 (pipeline.components.lr_scaling.DEFAULT_LR), absolute.
     lr: float | None = Field(None, gt=0.0)
     # DeiT's convention (5e-4 per 512): the rate at a global batch of 512 images; the run trains at
-    # this rate scaled to its global batch by lr_scaling (pipeline.lr_scaling).
+    # this rate scaled to its global batch by lr_scaling (pipeline.components.lr_scaling).
     lr_per_512: float | None = Field(None, gt=0.0)
     # How lr_per_512 follows the global batch B: linear (x B/512, DeiT and XCiT) or sqrt (linear up
     # to B = 1,024, where DeiT and XCiT trained, then x sqrt(B/1,024), for larger batches).

@@ -29,7 +29,7 @@ from typing import Any
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import get_dotted, validate, with_dotted
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.modeling import model_problem
+from pipeline.components.modeling import model_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
 from pipeline.transfer import fill_template, plan_transfer, shapes_of
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
+from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import COMPLETED, KNOBS_TAG, PRUNED, STOP_REASON_TAG, TRIAL_TAG, child_runs
 from pipeline.tracking import MlflowRun

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
+from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.sweeps.report import REPORTED, SEED_KEY
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import PARENT_TAG

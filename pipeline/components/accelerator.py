@@ -75,7 +75,7 @@ def minimum_driver(cuda: str) -> tuple[int, ...]:
     if major not in MIN_DRIVER_FOR_CUDA:
         raise GpuUnavailableError(
             f"torch's CUDA {cuda} has no known minimum driver (known: CUDA {sorted(MIN_DRIVER_FOR_CUDA)}); "
-            "add it to pipeline/accelerator.py MIN_DRIVER_FOR_CUDA from NVIDIA's CUDA compatibility table")
+            "add it to pipeline/components/accelerator.py MIN_DRIVER_FOR_CUDA from NVIDIA's CUDA compatibility table")
     return MIN_DRIVER_FOR_CUDA[major]
 
 

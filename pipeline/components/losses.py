@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline.config.schema import ExperimentConfig
 from pipeline.data.augment import BatchAugment
-from pipeline.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.distillation import HardDistillationLoss, build_teacher
 
 
 class TrainingLoss(nn.Module):

@@ -13,7 +13,7 @@ and ``optim.micro_batch_size`` without an edit, by ``optim.lr_scaling``:
   optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
   Algorithms"), for batches beyond those the linear rule was validated at with AdamW.
 
-The optimizer and the peak of its warmup + cosine schedule use this rate (``pipeline.optim``);
+The optimizer and the peak of its warmup + cosine schedule use this rate (``pipeline.components.optim``);
 ``optim.schedule.warmup_lr`` and ``min_lr`` stay absolute, as in DeiT. The console prints it at
 start, MLflow records it beside the knob the user gave (``recorded_params``), and
 `vitsweep config show` shows it.

@@ -4,7 +4,7 @@ Training records a ``ModelCard`` where its weights go, so that whatever later st
 (``pipeline.model_source``: fine-tuning, evaluation, prediction, serving) can rebuild the model,
 name its outputs and preprocess images as its own validation did:
 
-- in every checkpoint's ``vitsweep_checkpoint.json`` (``pipeline.checkpointing``), under ``card``;
+- in every checkpoint's ``vitsweep_checkpoint.json`` (``pipeline.components.checkpointing``), under ``card``;
 - in the MLflow model's ``MLmodel`` file, as its metadata under ``vitsweep``
   (``mlflow.models.get_model_info(uri).metadata["vitsweep"]``).
 

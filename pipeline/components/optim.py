@@ -22,7 +22,7 @@ def no_weight_decay_names(model: nn.Module) -> set[str]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """torch's AdamW at rate ``lr``, the run's effective rate (``pipeline.lr_scaling.effective_lr``;
+    """torch's AdamW at rate ``lr``, the run's effective rate (``pipeline.components.lr_scaling.effective_lr``;
     DeepSpeed's config optimizer would JIT-compile FusedAdam on CPU), over the trainable parameters;
     with ``layer_decay``, timm's layer groups (the model's ``group_matcher``), each at lr x its
     ``lr_scale`` (the schedule then scales every group alike)."""

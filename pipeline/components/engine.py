@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.config.schema import ExperimentConfig
-from pipeline.lr_scaling import global_batch_size
+from pipeline.components.lr_scaling import global_batch_size
 
 # BatchNorm's running statistics: fp32 under bf16/fp16 (keep_batchnorm_in_fp32).
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
