@@ -2,7 +2,7 @@
 
 Every finished training run and sweep trial logs its model once. ``mlflow.pytorch.log_model`` without
 ``pip_requirements`` infers them by loading the model in a subprocess and recording its imports;
-``MlflowRun.log_model`` (``pipeline.serving``) pins the pyfunc's imports instead and does more (the
+``pipeline.serving.log_model`` pins the pyfunc's imports instead and does more (the
 image pyfunc flavor, the serving input validated). Both log the smoke preset's model into one sqlite
 store, interleaved repeat by repeat, so load on a shared machine hits both alike.
 
@@ -27,7 +27,9 @@ from pipeline.config.loading import load_config
 from pipeline.console import library_prints
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model
-from pipeline.tracking import MlflowStore, _fluent_tracking_uri
+from pipeline.serving import log_model
+from pipeline.tracking.store import MlflowStore
+from pipeline.tracking.connection import fluent_tracking_uri
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     card = ModelCard.of_run(cfg, 10, [str(i) for i in range(10)])
     example = np.zeros((1, 3, cfg.model.img_size, cfg.model.img_size), dtype=np.float32)
     times: dict[str, list[float]] = {"mlflow.pytorch.log_model (inferred requirements)": [],
-                                     "MlflowRun.log_model (pinned, + image pyfunc)": []}
+                                     "serving.log_model (pinned, + image pyfunc)": []}
     with tempfile.TemporaryDirectory() as directory:
         weights = Path(directory) / "model.safetensors"
         save_model(model, str(weights))
@@ -49,11 +51,11 @@ def main() -> None:
         inferred, pinned = times
         for _ in range(args.repeats + 1):  # the first round warms imports and caches: not counted
             started = time.perf_counter()
-            with _fluent_tracking_uri(uri), mlflow.start_run(run_id=run.run_id), library_prints():
+            with fluent_tracking_uri(uri), mlflow.start_run(run_id=run.run_id), library_prints():
                 mlflow.pytorch.log_model(model, name="inferred", input_example=example, serialization_format="pickle")
             times[inferred].append(time.perf_counter() - started)
             started = time.perf_counter()
-            run.log_model(model, [weights], card, step=1)
+            log_model(run, model, [weights], card, step=1)
             times[pinned].append(time.perf_counter() - started)
     baseline = statistics.median(times[inferred][1:])
     print(f"{args.repeats} interleaved repeats (after one warm-up), torch threads {torch.get_num_threads()}")

@@ -36,8 +36,8 @@ from pipeline.errors import InvalidInputError, RunFailed
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.model_card import EvalPreprocessing
 from pipeline.model_source import ModelSource, Provenance, resolve_model_source
-from pipeline.tracking import (MlflowRun, MlflowStore, command_line, dataset_reference, require_reachable,
-                               resolve_tracking_uri, run_origin)
+from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, dataset_reference, run_origin
+from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
 
 ROLE_TAG, ROLE = "vitsweep.role", "evaluation"
 SOURCE_RUN_TAG, SOURCE_MODEL_TAG = "vitsweep.source_run_id", "vitsweep.source_model_id"

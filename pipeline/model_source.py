@@ -46,8 +46,8 @@ from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
 from pipeline.components.modeling import build_model, checked_model
-from pipeline.tracking import (LOGGED_MODEL_FILES, RUN_RECORD, is_local_store, open_client, read_run_record,
-                               require_reachable)
+from pipeline.tracking.store import LOGGED_MODEL_FILES, RUN_RECORD, read_run_record
+from pipeline.tracking.connection import is_local_store, open_client, require_reachable
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
                      "registered_model", "mlflow_model_dir"]

@@ -26,8 +26,8 @@ from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import validate
 from pipeline.errors import InvalidInputError
 from pipeline.model_source import resolve_model_source
-from pipeline.tracking import (LOGGED_MODEL_NAME, MlflowRun, _fluent_tracking_uri, require_reachable,
-                               resolve_tracking_uri)
+from pipeline.tracking.store import LOGGED_MODEL_NAME, MlflowRun
+from pipeline.tracking.connection import fluent_tracking_uri, require_reachable, resolve_tracking_uri
 
 REPORTED_METRICS = ("val_top1", "val_top5", "val_loss", "val_top1_ema", "val_top5_ema", "val_loss_ema", "train_loss",
                     "epochs_trained")
@@ -131,7 +131,7 @@ def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = 
             if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
                 raise
         # MLflow resolves a models:/<model_id> source through the process's tracking URI.
-        with _fluent_tracking_uri(tracking_uri):
+        with fluent_tracking_uri(tracking_uri):
             version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id,
                                                   model_id=model_id, description=describe_version(found),
                                                   tags=version_tags(found))

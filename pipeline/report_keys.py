@@ -1,7 +1,8 @@
 """Keys of what the workers report each epoch (``ray.train.report``) beside the metrics themselves,
 shared by the worker that writes them and the controller's callbacks that read them
-(``pipeline.tracking``, ``pipeline.sweeps.reporting``). A module of its own, importing nothing: the
-workers would otherwise import MLflow, and the controller torch, on the way to every run's first step."""
+(``pipeline.training.epoch_logger``, ``pipeline.sweeps.reporting``) and the run that records them
+(``pipeline.tracking.store``). A module of its own, importing nothing: the workers would otherwise
+import MLflow, and the controller torch, on the way to every run's first step."""
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
 INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step

@@ -49,12 +49,13 @@ from pipeline.console import active_console
 from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
+from pipeline.serving import log_model
 from pipeline.components.lr_scaling import describe_lr, recorded_params
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
-from pipeline.tracking import (MLflowEpochLogger, MlflowRun, MlflowStore, check_logger_can_reach, command_line,
-                               read_run_record, require_reachable, resolve_tracking_uri, run_origin,
-                               update_run_record)
+from pipeline.training.epoch_logger import MLflowEpochLogger
+from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
+from pipeline.tracking.connection import check_logger_can_reach, require_reachable, resolve_tracking_uri
 from pipeline.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
 from pipeline.worker import WorkerPlan, train_worker
 
@@ -490,7 +491,7 @@ def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> Non
         model = build_model(run.cfg.model, run.data.num_classes)
         load_model(model, str(final))
         last_epoch = int(result.metrics.get("epoch", run.cfg.optim.epochs))
-        model_id = tracking.log_model(model, weights, run.card, step=last_epoch)
+        model_id = log_model(tracking, model, weights, run.card, step=last_epoch)
     if not uris.is_uri(run.storage):
         update_run_record(run.run_dir, tracking_uri=tracking.uri, run_id=tracking.run_id,
                           experiment_id=tracking.get().info.experiment_id, model_id=model_id)

@@ -1,7 +1,7 @@
 """Every logged model serves images: an MLflow model with a ``pytorch`` and an image ``python_function`` flavor.
 
-``MlflowRun.log_model`` logs each run's final model once, through MLflow's custom-flavor mechanism
-(``mlflow.models.Model.log(flavor=pipeline.serving, ...)`` calls ``save_model`` below), so that one
+``log_model`` logs each run's final model once, through MLflow's custom-flavor mechanism
+(``mlflow.models.Model.log(flavor=<this module>, ...)`` calls ``save_model`` below), so that one
 model directory offers both:
 
 - ``pytorch``, written by ``mlflow.pytorch.save_model`` as before: ``mlflow.pytorch.load_model(uri)``
@@ -22,10 +22,12 @@ environment: ``mlflow models serve -m models:/NAME@ALIAS --env-manager local``.
 from __future__ import annotations
 
 import io
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import pandas as pd
 from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
@@ -33,11 +35,14 @@ from mlflow.models import Model, ModelSignature
 from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
 from PIL import Image
 
+from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
+from pipeline.console import library_prints
 from pipeline.data.images import UnreadableImageError, as_rgb_array, decode_image
 from pipeline.errors import InvalidInputError
-from pipeline.components.model_card import ModelCard
 from pipeline.model_source import MLMODEL_FILE, read_logged_model_directory
 from pipeline.prediction import DEFAULT_TOPK, ImageClassifier
+from pipeline.tracking.connection import fluent_tracking_uri
+from pipeline.tracking.store import LOGGED_MODEL_NAME, MlflowRun
 
 INPUT_COLUMN = "image"
 TOPK_PARAM = "topk"
@@ -64,6 +69,25 @@ def input_example(card: ModelCard) -> pd.DataFrame:
 
 def pip_requirements() -> list[str]:
     return [f"{name}=={version(name)}" for name in SERVING_DISTRIBUTIONS]
+
+
+def log_model(mlflow_run: MlflowRun, model, weights: list[Path], card: ModelCard, step: int) -> str:
+    """The final weights (safetensors: the model's, and its EMA's where there is one) as artifacts of
+    ``mlflow_run``, and the model as one MLflow model: its ``pytorch`` flavor (``mlflow.pytorch.load_model``
+    restores the module) and an image-classifying ``python_function`` flavor (``mlflow models serve``),
+    carrying the same weights files (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``),
+    so that a ``runs:/`` or ``models:/`` URI is a complete model source (``pipeline.model_source``);
+    linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's). Returns the
+    logged model's id."""
+    for path in weights:
+        mlflow_run.log_artifact(path)
+    # The run active (not only named): MLflow files the logged model under the active run's experiment.
+    with fluent_tracking_uri(mlflow_run.uri), mlflow.start_run(run_id=mlflow_run.run_id), library_prints():
+        # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
+        logged = Model.log(None, flavor=sys.modules[__name__], name=LOGGED_MODEL_NAME, flavor_name="pytorch",
+                           step=step, metadata={MLFLOW_METADATA_KEY: card.as_dict()}, pytorch_model=model.eval(),
+                           weights=weights, card=card, serialization_format="pickle")
+    return logged.model_id
 
 
 def save_model(pytorch_model, path: str, mlflow_model: Model, weights: list[Path], card: ModelCard,

@@ -178,7 +178,7 @@ class Trainer:
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
     def _monitor_node(self, node_rank: int) -> None:
-        from pipeline.tracking import monitor_node_system
+        from pipeline.tracking.system_metrics import monitor_node_system
 
         self.monitor = monitor_node_system(self.plan.tracking_uri, self.plan.mlflow_run_id, f"node{node_rank}")
 

@@ -82,7 +82,7 @@ class LoggedRun:
 @pytest.fixture(scope="session")
 def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     """A FINISHED run in a sqlite store with what `vitsweep train` records (description, final metrics at
-    step 1, both datasets) and its model logged by training's own ``MlflowRun.log_model``: random
+    step 1, both datasets) and its model logged by training's own ``pipeline.serving.log_model``: random
     weights of the smoke model (no training: tests check what is done with the weights, not accuracy)."""
     import torch
     from safetensors.torch import save_model
@@ -91,7 +91,8 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     from pipeline.data.sidecar import read_sidecar
     from pipeline.components.model_card import ModelCard
     from pipeline.components.modeling import build_model
-    from pipeline.tracking import MlflowStore, run_origin
+    from pipeline.serving import log_model
+    from pipeline.tracking.store import MlflowStore, run_origin
 
     storage = tmp_path_factory.mktemp("logged-run")
     cfg = load_config("smoke", [f"run.storage_path={storage}"])
@@ -105,7 +106,7 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     run.log_metrics({"val_top1": 12.5, "val_top5": 50.0, "val_loss": 2.3, "train_loss": 2.31}, step=1)
     run.log_datasets({context: (str(digits16[split]), read_sidecar(digits16[split]).sha256)
                       for context, split in (("training", "train"), ("validation", "val"))})
-    model_id = run.log_model(model, [storage / "model.safetensors"], ModelCard.of_run(cfg, len(DIGITS), DIGITS), step=1)
+    model_id = log_model(run, model, [storage / "model.safetensors"], ModelCard.of_run(cfg, len(DIGITS), DIGITS), step=1)
     run.end("FINISHED", "completed")
     return LoggedRun(storage, uri, run.run_id, model_id, model, digits16)
 

@@ -298,7 +298,7 @@ def test_a_new_run_has_no_checkpoint_to_check(tmp_path):
 
 def test_a_rerun_of_a_run_stopped_before_its_first_checkpoint_says_it_starts_from_epoch_1(tmp_path, capsys):
     from pipeline.runs import check_resumable
-    from pipeline.tracking import RUN_RECORD
+    from pipeline.tracking.store import RUN_RECORD
 
     started = tmp_path / "stopped"  # its MLflow run was opened, then a signal came before epoch 1 ended
     started.mkdir()

@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import mlflow_server, wait_for
-from pipeline.tracking import ui_link
+from pipeline.tracking.ui import ui_link
 from pipeline.transfer import PLAN_ARTIFACT, SWEEP_SOURCES
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import mlflow_server, run_vitsweep, train_command, wait_for
-from pipeline.tracking import ui_compare_link, ui_link
+from pipeline.tracking.ui import ui_compare_link, ui_link
 from webdriver import PARALLEL_COORDINATES_JS
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
-from pipeline.tracking import MlflowRun, MlflowStore
+from pipeline.tracking.store import MlflowRun, MlflowStore
 
 CLASSES = tuple(f"digit {i}" for i in range(10))
 REGISTERED = "xcit-fsne-tiny"

@@ -16,8 +16,9 @@ from pipeline.data.sidecar import read_sidecar
 from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
+from pipeline.serving import log_model
 from pipeline.sweeps.tracking import open_child_run, open_parent_run
-from pipeline.tracking import MlflowStore
+from pipeline.tracking.store import MlflowStore
 
 
 def _register(store: str, *args: str) -> int:
@@ -83,7 +84,7 @@ def _sweep(tmp_path, trained_weights, trials: dict[str, tuple[str, float]]) -> s
         child = open_child_run(store, "vitsweep", parent.run_id, "lr-sweep", trial_id, trial_id, {"optim.lr": top1})
         child.log_metrics({"val_top1": top1}, step=1)
         if reason == "completed":
-            child.log_model(model, [weights], card, step=1)
+            log_model(child, model, [weights], card, step=1)
         child.end("FINISHED", reason)
     parent.finish("FINISHED")
     record = {"name": "lr-sweep", "tracking_uri": store, "parent_run_id": parent.run_id,

@@ -1,6 +1,6 @@
 """Every logged model is also an MLflow pyfunc that classifies images: encoded bytes or uint8 arrays in,
 the top-K class names and probabilities out, as `vitsweep predict` gives them; `mlflow.pytorch.load_model`
-still gives the module. The model is logged by training's own `MlflowRun.log_model` into a real sqlite
+still gives the module. The model is logged by training's own `pipeline.serving.log_model` into a real sqlite
 store (untrained weights: what is served is checked against the same weights, not an accuracy).
 The HTTP server (`mlflow models serve`) is exercised in tests/test_after_training.py."""
 import io
@@ -22,8 +22,8 @@ from pipeline.components.model_card import ModelCard
 from pipeline.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
 from pipeline.prediction import ImageClassifier
-from pipeline.serving import pip_requirements
-from pipeline.tracking import MlflowStore
+from pipeline.serving import log_model, pip_requirements
+from pipeline.tracking.store import MlflowStore
 
 CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -38,7 +38,7 @@ def logged(tmp_path_factory):
     save_model(model, str(root / "model.safetensors"))
     uri = f"sqlite:///{root}/mlflow.db"
     run = MlflowStore(uri).create_run("vitsweep", "served")
-    run.log_model(model, [root / "model.safetensors"], ModelCard.of_run(cfg, len(CLASSES), CLASSES), step=1)
+    log_model(run, model, [root / "model.safetensors"], ModelCard.of_run(cfg, len(CLASSES), CLASSES), step=1)
     return uri, f"runs:/{run.run_id}/model", model
 
 

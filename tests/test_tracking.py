@@ -15,9 +15,11 @@ import torch
 
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
+from pipeline.serving import log_model
 from pipeline.components.model_card import ModelCard
-from pipeline.tracking import (DEFAULT_STORE_NAME, MlflowStore, local_artifact_root, monitor_node_system,
-                               resolve_tracking_uri)
+from pipeline.tracking.connection import DEFAULT_STORE_NAME, local_artifact_root, resolve_tracking_uri
+from pipeline.tracking.store import MlflowStore
+from pipeline.tracking.system_metrics import monitor_node_system
 
 
 def test_a_password_in_mlflow_tracking_uri_is_rejected_without_echoing_it(monkeypatch):
@@ -44,7 +46,7 @@ def test_logging_the_final_model_leaves_no_tracking_uri_for_later_subprocesses(t
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
     card = ModelCard.of_run(load_config("smoke", ["model.img_size=8"]), num_classes=2)
 
-    run.log_model(model, [weights], card, step=1)
+    log_model(run, model, [weights], card, step=1)
 
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
@@ -166,7 +168,7 @@ def test_a_new_store_whose_creation_is_cut_short_is_left_absent_and_the_next_com
 
     store = tmp_path / "runs" / DEFAULT_STORE_NAME
     uri = f"sqlite:///{store}"
-    _cut_short_while_migrating(f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})", tmp_path)
+    _cut_short_while_migrating(f"from pipeline.tracking.store import MlflowStore; MlflowStore({uri!r})", tmp_path)
 
     assert not store.exists() and not list(store.parent.iterdir())  # no half store, nor a partial copy beside
     assert MlflowStore(uri).experiment_id("vitsweep")  # the next command creates it whole
@@ -183,7 +185,7 @@ def test_a_store_left_half_created_is_refused_in_one_line_saying_what_to_do(tmp_
         db.execute("UPDATE alembic_version SET version_num = '75868b020152'")
 
     # The next command, a new process (MLflow keeps the store it opened in this one).
-    opening = subprocess.run([sys.executable, "-c", f"from pipeline.tracking import MlflowStore; MlflowStore({uri!r})"],
+    opening = subprocess.run([sys.executable, "-c", f"from pipeline.tracking.store import MlflowStore; MlflowStore({uri!r})"],
                              capture_output=True, text=True, cwd=Path(__file__).parents[1])
     last = opening.stderr.strip().splitlines()[-1]
     assert last.startswith("pipeline.errors.InvalidInputError: "), opening.stderr[-3000:]
@@ -220,5 +222,6 @@ def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs
     report to Tune) before it starts any worker, and each worker the recipe's before its first line:
     torch, timm or ffcv in the first, MLflow in the second (a node's system-metrics monitor imports it on a
     thread of its own) would add seconds to every run's start on a small machine."""
-    assert _imported("pipeline.tracking, pipeline.sweeps.reporting", {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
+    controller = "pipeline.training.epoch_logger, pipeline.tracking.store, pipeline.sweeps.reporting"
+    assert _imported(controller, {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
     assert _imported("pipeline.worker", {"mlflow"}) == "[]"

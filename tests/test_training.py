@@ -12,7 +12,7 @@ from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.model_source import resolve_model_source
-from pipeline.tracking import MlflowRun
+from pipeline.tracking.store import MlflowRun
 
 pytestmark = pytest.mark.slow
 

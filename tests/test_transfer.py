@@ -410,7 +410,7 @@ def test_the_finetune_presets_hold_the_papers_printed_settings():
 
 def test_long_lists_of_weights_stay_within_mlflows_tag_limit_and_whole_in_the_artifact(tmp_path):
     from pipeline.runs import record_initial_weights
-    from pipeline.tracking import MlflowStore
+    from pipeline.tracking.store import MlflowStore
 
     model = with_source(model_config("vit", args={"depth": 40})).model_copy(update={"init_exclude": ("blocks.*",)})
     source = trained_source(model.model_copy(update={"init_exclude": ()}))

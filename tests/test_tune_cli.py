@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.sweeps.runner import RECORD_NAME
 from pipeline.sweeps.tracking import KNOBS_TAG, PARENT_TAG, ROLE_TAG, STOP_REASON_TAG, TRIAL_TAG
-from pipeline.tracking import MlflowStore
+from pipeline.tracking.store import MlflowStore
 
 
 def _tune(tmp_path, space_text: str | None, *overrides: str, space: str | None = None) -> list[str]:

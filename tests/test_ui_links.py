@@ -1,7 +1,7 @@
 """Links into MLflow's UI open vitsweep's runs as model-training runs (not MLflow 3.17's GenAI pages)."""
 import pytest
 
-from pipeline.tracking import ui_compare_link, ui_link
+from pipeline.tracking.ui import ui_compare_link, ui_link
 
 
 def test_a_run_link_opens_the_run_page_in_model_training_mode():

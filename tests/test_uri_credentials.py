@@ -64,7 +64,7 @@ def test_a_presigned_dataset_url_is_refused_without_echoing_its_signature():
 
 
 def test_a_token_as_user_name_in_mlflow_tracking_uri_is_refused_without_echoing_it(monkeypatch):
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.connection import resolve_tracking_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://{SECRET}@mlflow.example.com")
     with pytest.raises(InvalidInputError) as err:

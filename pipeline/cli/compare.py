@@ -43,7 +43,8 @@ def _run(args: argparse.Namespace) -> int:
     from pipeline.sweeps.importance import format_importance, knob_importance
     from pipeline.sweeps.spaces import spaces_from_record
     from pipeline.sweeps.tracking import ROLE_TAG
-    from pipeline.tracking import MlflowStore, require_reachable, resolve_tracking_uri
+    from pipeline.tracking.store import MlflowStore
+    from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
 
     uri = resolve_tracking_uri(load_config(args.config, args.overrides))
     require_reachable(uri)

@@ -110,7 +110,7 @@ def _timm() -> str:
 def _mlflow(cfg: ExperimentConfig) -> str:
     import mlflow
 
-    from pipeline.tracking import check_reachable, resolve_tracking_uri
+    from pipeline.tracking.connection import check_reachable, resolve_tracking_uri
 
     return f"mlflow {mlflow.__version__}; {check_reachable(resolve_tracking_uri(cfg))}"
 

@@ -50,7 +50,7 @@ def _evaluate(args: argparse.Namespace, console) -> int:
     from pipeline.errors import InvalidInputError
     from pipeline.evaluation import (announce, class_name_differences, evaluate_here, evaluate_on_ray,
                                      plan_evaluation, record_evaluation)
-    from pipeline.tracking import where_to_look
+    from pipeline.tracking.ui import where_to_look
 
     quiet_numba_finalizers()
     if args.address and not args.workers:

@@ -36,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
     from pipeline.data.images import UnreadableImageError
     from pipeline.model_source import resolve_model_source
     from pipeline.prediction import ImageClassifier, classify_files, image_files
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.connection import resolve_tracking_uri
 
     with command_console() as console:  # library chatter (MLflow's download bars) stays off the output
         cfg = load_config(args.config, args.overrides).with_absolute_paths()

@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
         from pipeline.driver import train_from_config
 
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
-        from pipeline.tracking import where_to_look  # after the start: MLflow takes seconds to import
+        from pipeline.tracking.ui import where_to_look
 
         metrics = outcome.metrics
         console.line(

@@ -52,7 +52,8 @@ def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
     from pipeline.sweeps.importance import format_importance
     from pipeline.sweeps.summary import SUMMARY_NAME
-    from pipeline.tracking import check_logger_can_reach, ui_link, ui_server, where_to_look
+    from pipeline.tracking.connection import check_logger_can_reach
+    from pipeline.tracking.ui import ui_link, ui_server, where_to_look
 
     if args.alias and not args.register:
         raise InvalidInputError(f"--alias {args.alias} names an alias of the model --register NAME registers; give both")

@@ -15,7 +15,7 @@ from typing import Any
 from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import COMPLETED, KNOBS_TAG, PRUNED, STOP_REASON_TAG, TRIAL_TAG, child_runs
-from pipeline.tracking import MlflowRun
+from pipeline.tracking.store import MlflowRun
 
 REPORTED = ("val_top1", "val_top5", "val_loss", "train_loss")
 

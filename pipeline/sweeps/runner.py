@@ -43,8 +43,8 @@ from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, au
 from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
-from pipeline.tracking import (MlflowRun, MlflowStore, command_line, require_reachable, resolve_tracking_uri,
-                               run_origin)
+from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, run_origin
+from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
 from pipeline.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"

@@ -1,6 +1,6 @@
 """The sweep in MLflow: one parent run, each trial a nested child run with its stopping reason.
 
-Runs are written through ``pipeline.tracking.MlflowRun``; this module only keys them.
+Runs are written through ``pipeline.tracking.store.MlflowRun``; this module only keys them.
 Parent (tag ``vitsweep.role=sweep``): the sweep's settings as params, the space and base config as
 artifacts, and at the end the best trial, ``results.csv``, ``pruned.csv`` and ``plots/``.
 Children (``mlflow.parentRunId`` = the parent, so the UI nests them): everything a training run
@@ -16,7 +16,7 @@ from typing import Any
 from mlflow.entities import Run
 from ray.tune import Callback
 
-from pipeline.tracking import DIVERGED_TAG, STOP_REASON_TAG, MlflowRun, MlflowStore
+from pipeline.tracking.store import DIVERGED_TAG, STOP_REASON_TAG, MlflowRun, MlflowStore
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "vitsweep.role"

@@ -1,6 +1,6 @@
 """The sweep's saved view in MLflow 3.17's UI: what its printed link opens, table and charts.
 
-The UI keeps a saved view as an experiment tag (``pipeline.tracking.MlflowStore.save_view``) whose
+The UI keeps a saved view as an experiment tag (``pipeline.tracking.store.MlflowStore.save_view``) whose
 state holds the runs page's search facets (filter, order) and UI state (``ExperimentPageUIState``
 in MLflow's ``experiment-page/models``): the table's columns and, for the chart view, the chart
 cards (``compareRunCharts``: ``RunsChartsCardConfig`` objects of ``runs-charts.types.ts``, one
