@@ -2,7 +2,7 @@
 
 Every finished training run and sweep trial logs its model once. ``mlflow.pytorch.log_model`` without
 ``pip_requirements`` infers them by loading the model in a subprocess and recording its imports;
-``pipeline.serving.log_model`` pins the pyfunc's imports instead and does more (the
+``pipeline.trained.serving.log_model`` pins the pyfunc's imports instead and does more (the
 image pyfunc flavor, the serving input validated). Both log the smoke preset's model into one sqlite
 store, interleaved repeat by repeat, so load on a shared machine hits both alike.
 
@@ -27,7 +27,7 @@ from pipeline.config.loading import load_config
 from pipeline.console import library_prints
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model
-from pipeline.serving import log_model
+from pipeline.trained.serving import log_model
 from pipeline.tracking.store import MlflowStore
 from pipeline.tracking.connection import fluent_tracking_uri
 

@@ -6,7 +6,7 @@ One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
 1. ``check_run``: everything that can be wrong with the input, before any worker starts (exit 2,
    nothing written): the datasets, the model (built once on the meta device, which also gives its
    facts), the distillation teacher, the MLflow store, a restarted run's checkpoint, the weights it
-   starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.transfer``).
+   starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.trained.transfer``).
 2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
    (and where its initial weights came from: tags, ``init_weights.json``, the source model as an input).
 3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.worker`` on every rank.
@@ -49,14 +49,14 @@ from pipeline.console import active_console
 from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
 from pipeline.jobs import git_provenance
-from pipeline.serving import log_model
+from pipeline.trained.serving import log_model
 from pipeline.components.lr_scaling import describe_lr, recorded_params
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
 from pipeline.tracking.connection import check_logger_can_reach, require_reachable, resolve_tracking_uri
-from pipeline.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
+from pipeline.trained.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
 from pipeline.worker import WorkerPlan, train_worker
 
 
@@ -484,7 +484,7 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
 
 def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> None:
     """The final checkpoint's weights as the run's MLflow model; its id joins the run directory's
-    record, so the run's name or directory leads to it (``pipeline.model_source``)."""
+    record, so the run's name or directory leads to it (``pipeline.trained.model_source``)."""
     with result.checkpoint.as_directory() as directory:
         final, ema = Path(directory) / WEIGHTS_FILE, Path(directory) / EMA_WEIGHTS_FILE
         weights = [final, ema] if ema.exists() else [final]

@@ -38,7 +38,8 @@ from pipeline.components.metrics import evaluate
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
-from pipeline.transfer import TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights, train_head_only
+from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights,
+    train_head_only)
 
 
 MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged

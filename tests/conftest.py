@@ -82,7 +82,7 @@ class LoggedRun:
 @pytest.fixture(scope="session")
 def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     """A FINISHED run in a sqlite store with what `vitsweep train` records (description, final metrics at
-    step 1, both datasets) and its model logged by training's own ``pipeline.serving.log_model``: random
+    step 1, both datasets) and its model logged by training's own ``pipeline.trained.serving.log_model``: random
     weights of the smoke model (no training: tests check what is done with the weights, not accuracy)."""
     import torch
     from safetensors.torch import save_model
@@ -91,7 +91,7 @@ def logged_run(tmp_path_factory, digits16) -> LoggedRun:
     from pipeline.data.sidecar import read_sidecar
     from pipeline.components.model_card import ModelCard
     from pipeline.components.modeling import build_model
-    from pipeline.serving import log_model
+    from pipeline.trained.serving import log_model
     from pipeline.tracking.store import MlflowStore, run_origin
 
     storage = tmp_path_factory.mktemp("logged-run")

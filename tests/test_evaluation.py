@@ -19,7 +19,7 @@ from pipeline.config.schema import DataConfig
 from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton
-from pipeline.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
+from pipeline.trained.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import evaluate
 from conftest import VITSWEEP, run_vitsweep

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import mlflow_server, wait_for
 from pipeline.tracking.ui import ui_link
-from pipeline.transfer import PLAN_ARTIFACT, SWEEP_SOURCES
+from pipeline.trained.transfer import PLAN_ARTIFACT, SWEEP_SOURCES
 
 pytestmark = pytest.mark.slow
 

@@ -84,7 +84,7 @@ def evaluated(store, runs):
     """The training run's model evaluated on its validation set and registered, by the commands themselves
     in this process (a few seconds: no training); the evaluation's MLflow run."""
     from pipeline.cli import main
-    from pipeline.evaluation import ROLE, ROLE_TAG
+    from pipeline.trained.evaluation import ROLE, ROLE_TAG
 
     storage, _, _ = store
     experiment, trained, _, _ = runs

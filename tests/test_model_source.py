@@ -25,7 +25,7 @@ from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, C
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import ModelCard
-from pipeline.model_source import resolve_model_source
+from pipeline.trained.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
 from pipeline.tracking.store import MlflowRun, MlflowStore
 
@@ -387,7 +387,7 @@ SOURCE_FORMS = {  # the form as given (built from the trained run), and the weig
 
 @pytest.mark.parametrize("form", SOURCE_FORMS)
 def test_every_source_form_starts_a_model_with_a_new_head_from_its_weights(trained, form):
-    from pipeline.transfer import load_initial_weights, resolve_initial_weights
+    from pipeline.trained.transfer import load_initial_weights, resolve_initial_weights
 
     given, expected = SOURCE_FORMS[form]
     if form == "state_dict":
@@ -405,7 +405,7 @@ def test_every_source_form_starts_a_model_with_a_new_head_from_its_weights(train
 
 def test_a_run_records_where_its_weights_came_from_with_the_source_model_as_its_input(trained):
     from pipeline.runs import record_initial_weights
-    from pipeline.transfer import PLAN_ARTIFACT, resolve_initial_weights
+    from pipeline.trained.transfer import PLAN_ARTIFACT, resolve_initial_weights
 
     model = trained.card.model.model_copy(update={"init_from": f"models:/{REGISTERED}@champion"})
     init = resolve_initial_weights(model, 4, str(trained.storage / "finetune"), str(trained.storage), trained.uri)

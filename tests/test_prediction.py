@@ -11,8 +11,8 @@ from PIL import Image
 from conftest import DIGITS
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
 from pipeline.data.images import read_image
-from pipeline.model_source import resolve_model_source
-from pipeline.prediction import ImageClassifier
+from pipeline.trained.model_source import resolve_model_source
+from pipeline.trained.prediction import ImageClassifier
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from pipeline.cli import EXIT_INVALID_INPUT, main
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.components.model_card import ModelCard
-from pipeline.model_source import resolve_model_source
+from pipeline.trained.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
-from pipeline.serving import log_model
+from pipeline.trained.serving import log_model
 from pipeline.sweeps.tracking import open_child_run, open_parent_run
 from pipeline.tracking.store import MlflowStore
 

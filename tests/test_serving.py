@@ -1,6 +1,6 @@
 """Every logged model is also an MLflow pyfunc that classifies images: encoded bytes or uint8 arrays in,
 the top-K class names and probabilities out, as `vitsweep predict` gives them; `mlflow.pytorch.load_model`
-still gives the module. The model is logged by training's own `pipeline.serving.log_model` into a real sqlite
+still gives the module. The model is logged by training's own `pipeline.trained.serving.log_model` into a real sqlite
 store (untrained weights: what is served is checked against the same weights, not an accuracy).
 The HTTP server (`mlflow models serve`) is exercised in tests/test_after_training.py."""
 import io
@@ -19,10 +19,10 @@ from safetensors.torch import save_model
 
 from pipeline.config.loading import load_config
 from pipeline.components.model_card import ModelCard
-from pipeline.model_source import resolve_model_source
+from pipeline.trained.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
-from pipeline.prediction import ImageClassifier
-from pipeline.serving import log_model, pip_requirements
+from pipeline.trained.prediction import ImageClassifier
+from pipeline.trained.serving import log_model, pip_requirements
 from pipeline.tracking.store import MlflowStore
 
 CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -89,11 +89,26 @@ def test_the_logged_model_has_an_image_signature_an_input_example_and_pinned_req
     assert info.signature.inputs.input_names() == ["image"] and info.signature.inputs.inputs[0].type.name == "binary"
     assert [p.name for p in info.signature.params] == ["topk"]
     assert set(info.flavors) == {"pytorch", "python_function"}
-    assert info.flavors["python_function"]["loader_module"] == "pipeline.serving"
+    assert info.flavors["python_function"]["loader_module"] == "pipeline.trained.serving"
     example = mlflow.pyfunc.load_model(model_uri).input_example
     assert Image.open(io.BytesIO(example["image"][0])).size == (16, 16)  # the model's own input size
     local = Path(mlflow.artifacts.download_artifacts(f"{model_uri}/requirements.txt", dst_path=str(tmp_path)))
     assert local.read_text().split() == pip_requirements()
+
+
+def test_a_model_logged_before_serving_moved_still_loads_and_serves(in_store, tmp_path):
+    """Models logged before ``pipeline.serving`` moved to ``pipeline.trained.serving`` name the old
+    loader module in their MLmodel file; MLflow imports it by that name."""
+    _, model_uri, _ = in_store
+    directory = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path)))
+    mlmodel = directory / "MLmodel"
+    text = mlmodel.read_text()
+    assert "loader_module: pipeline.trained.serving" in text
+    mlmodel.write_text(text.replace("loader_module: pipeline.trained.serving", "loader_module: pipeline.serving"))
+    old = mlflow.pyfunc.load_model(str(directory)).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}))
+    new = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}))
+    assert list(old.loc[0, "labels"]) == list(new.loc[0, "labels"])
+    np.testing.assert_allclose(old.loc[0, "probabilities"], new.loc[0, "probabilities"], rtol=1e-6)
 
 
 def test_an_unreadable_image_in_a_request_is_the_callers_error_naming_its_row(in_store):

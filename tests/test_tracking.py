@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.serving import log_model
+from pipeline.trained.serving import log_model
 from pipeline.components.model_card import ModelCard
 from pipeline.tracking.connection import DEFAULT_STORE_NAME, local_artifact_root, resolve_tracking_uri
 from pipeline.tracking.store import MlflowStore

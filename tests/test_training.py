@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
-from pipeline.model_source import resolve_model_source
+from pipeline.trained.model_source import resolve_model_source
 from pipeline.tracking.store import MlflowRun
 
 pytestmark = pytest.mark.slow

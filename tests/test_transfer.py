@@ -18,12 +18,12 @@ from pipeline.config.schema import ModelConfig, OptimConfig
 from pipeline.config.loading import load_config
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.components.model_card import ModelCard
-from pipeline.model_source import ModelSource, Provenance
+from pipeline.trained.model_source import ModelSource, Provenance
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_optimizer, build_scheduler
-from pipeline.transfer import (InitialWeights, fill_template, freeze_backbone, load_initial_weights, plan_transfer,
-                               read_saved_source, resolve_initial_weights, save_source, saved_source_header, shapes_of,
-                               train_head_only)
+from pipeline.trained.transfer import (InitialWeights, fill_template, freeze_backbone, load_initial_weights,
+    plan_transfer, read_saved_source, resolve_initial_weights, save_source, saved_source_header, shapes_of,
+    train_head_only)
 
 # One small member of each family: (model name, args, its img_size, the weights its classifier has).
 FAMILIES = {

@@ -20,7 +20,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_source_argument(parser: argparse.ArgumentParser) -> None:
-    """SOURCE, shared by the commands that take a trained model (``pipeline.model_source`` resolves it)."""
+    """SOURCE, shared by the commands that take a trained model (``pipeline.trained.model_source`` resolves it)."""
     parser.add_argument(
         "source", metavar="SOURCE",
         help="a trained model: a run's name (under run.storage_path) or directory, a checkpoint directory, a "

@@ -48,8 +48,8 @@ def _evaluate(args: argparse.Namespace, console) -> int:
     from pipeline.config.loading import load_config
     from pipeline.data.runtime import quiet_numba_finalizers
     from pipeline.errors import InvalidInputError
-    from pipeline.evaluation import (announce, class_name_differences, evaluate_here, evaluate_on_ray,
-                                     plan_evaluation, record_evaluation)
+    from pipeline.trained.evaluation import (announce, class_name_differences, evaluate_here, evaluate_on_ray,
+        plan_evaluation, record_evaluation)
     from pipeline.tracking.ui import where_to_look
 
     quiet_numba_finalizers()
@@ -78,7 +78,7 @@ def _evaluate(args: argparse.Namespace, console) -> int:
 
 
 def _per_class_line(confusion, classes) -> str:
-    from pipeline.evaluation_report import per_class_rows
+    from pipeline.trained.evaluation_report import per_class_rows
 
     rows = [row for row in per_class_rows(confusion, classes) if row["samples"]]
     if len(rows) > PER_CLASS_SHOWN:

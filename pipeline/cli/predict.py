@@ -1,5 +1,5 @@
 """`vitsweep predict SOURCE IMAGE... | DIR`: the most probable classes of image files, each fed to the model
-as its validation fed images (``pipeline.prediction``). Writes nothing."""
+as its validation fed images (``pipeline.trained.prediction``). Writes nothing."""
 from __future__ import annotations
 
 import argparse
@@ -34,8 +34,8 @@ def _run(args: argparse.Namespace) -> int:
     from pipeline.config.loading import load_config
     from pipeline.console import command_console
     from pipeline.data.images import UnreadableImageError
-    from pipeline.model_source import resolve_model_source
-    from pipeline.prediction import ImageClassifier, classify_files, image_files
+    from pipeline.trained.model_source import resolve_model_source
+    from pipeline.trained.prediction import ImageClassifier, classify_files, image_files
     from pipeline.tracking.connection import resolve_tracking_uri
 
     with command_console() as console:  # library chatter (MLflow's download bars) stays off the output

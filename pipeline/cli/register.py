@@ -1,5 +1,5 @@
 """`vitsweep register SOURCE NAME [--alias A]`: a run's logged model, or a sweep's best trial's, as a
-version of a registered MLflow model (``pipeline.registry``)."""
+version of a registered MLflow model (``pipeline.trained.registry``)."""
 from __future__ import annotations
 
 import argparse
@@ -42,13 +42,34 @@ def announce(registration) -> str:
     return f"{outcome}{alias}\n  load it as: {registration.uri} (MLflow store {registration.tracking_uri})"
 
 
+def registered_run(given: str, cfg) -> tuple[str, str]:
+    """(tracking URI, run id) of what SOURCE names: a sweep's best trial, else a model source's MLflow run."""
+    from pipeline.errors import InvalidInputError
+    from pipeline.sweeps.best_trial import best_trial, sweep_directory
+    from pipeline.trained.model_source import resolve_model_source
+    from pipeline.tracking.connection import resolve_tracking_uri
+
+    sweep = sweep_directory(given, cfg)
+    if sweep is not None:
+        return best_trial(given, sweep)
+    provenance = resolve_model_source(given, storage_path=cfg.run.storage_path,
+                                      tracking_uri=resolve_tracking_uri(cfg)).provenance
+    if not (provenance.run_id and provenance.tracking_uri):
+        raise InvalidInputError(
+            f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
+            "registered; give its run (name or directory) or runs:/RUN_ID/model"
+        )
+    return provenance.tracking_uri, provenance.run_id
+
+
 def _run(args: argparse.Namespace) -> int:
     import os
 
     from pipeline.config.loading import load_config
-    from pipeline.registry import register_source
+    from pipeline.trained.registry import check_registry_names, register_run
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the resolver's downloads
-    registration = register_source(args.source, args.name, args.alias, load_config(args.config, args.overrides))
-    print(announce(registration))
+    check_registry_names(args.name, args.alias)
+    cfg = load_config(args.config, args.overrides).with_absolute_paths()
+    print(announce(register_run(*registered_run(args.source, cfg), args.name, args.alias)))
     return 0

@@ -48,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, console) -> int:
-    from pipeline.registry import check_registry_names, register_run
+    from pipeline.trained.registry import check_registry_names, register_run
     from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
     from pipeline.sweeps.importance import format_importance
     from pipeline.sweeps.summary import SUMMARY_NAME

@@ -1,7 +1,7 @@
 """What a trained model is: its model section, its classes, and how it was fed at evaluation.
 
 Training records a ``ModelCard`` where its weights go, so that whatever later starts from them
-(``pipeline.model_source``: fine-tuning, evaluation, prediction, serving) can rebuild the model,
+(``pipeline.trained.model_source``: fine-tuning, evaluation, prediction, serving) can rebuild the model,
 name its outputs and preprocess images as its own validation did:
 
 - in every checkpoint's ``vitsweep_checkpoint.json`` (``pipeline.components.checkpointing``), under ``card``;

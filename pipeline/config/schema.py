@@ -99,7 +99,7 @@ class ModelConfig(_Section):
     args: dict[str, Any] = Field(default_factory=dict)
     img_size: int = Field(32, ge=8, le=1024)
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    # Trained weights to start from (``pipeline.transfer``), any model source: a run's name under
+    # Trained weights to start from (``pipeline.trained.transfer``), any model source: a run's name under
     # run.storage_path or its directory, a checkpoint directory, a .safetensors or torch state dict file,
     # runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS. null: random initialisation.
     init_from: str | None = Field(None, min_length=1)

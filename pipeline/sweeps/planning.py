@@ -31,7 +31,7 @@ from pipeline.config.loading import get_dotted, validate, with_dotted
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.components.modeling import model_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
-from pipeline.transfer import fill_template, plan_transfer, shapes_of
+from pipeline.trained.transfer import fill_template, plan_transfer, shapes_of
 
 MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
 MAX_GRID = 1000  # trials a grid search may expand to
@@ -179,10 +179,10 @@ def _valid(candidates: list[Candidate]) -> list[Candidate]:
 
 
 def check_initial_weights(candidates: list[Candidate], num_classes: int, tracking_uri: str) -> dict[str, Any]:
-    """Every trial's ``model.init_from`` resolved once (``pipeline.model_source``) and fitted to each
-    model it starts (``pipeline.transfer``), before any trial runs: SpaceError naming the trials' knobs
+    """Every trial's ``model.init_from`` resolved once (``pipeline.trained.model_source``) and fitted to each
+    model it starts (``pipeline.trained.transfer``), before any trial runs: SpaceError naming the trials' knobs
     when one does not resolve or fit. Returns the sources by ``model.init_from``, ``model.init_ema``."""
-    from pipeline.model_source import resolve_model_source
+    from pipeline.trained.model_source import resolve_model_source
 
     sources: dict[tuple[str, bool], Any] = {}
     fitted: set[str] = set()

@@ -5,7 +5,7 @@ the datasets, every trial's initial weights, the MLflow store) and writes nothin
 offline dataset. ``run_sweep`` then starts or joins Ray, sizes the trials to it
 (``pipeline.sweeps.resources``: a cluster may grow, and trials wait for its nodes), opens the MLflow
 parent run, writes the sweep's record and the trials' initial weights (one file per source, read by
-every trial that starts from it: ``pipeline.transfer``) and drives ``tune.Tuner``. ``load_sweep`` +
+every trial that starts from it: ``pipeline.trained.transfer``) and drives ``tune.Tuner``. ``load_sweep`` +
 ``run_sweep(resume=True)`` continue an interrupted sweep from its record with ``Tuner.restore``:
 finished trials stay finished, unfinished ones continue their Ray Train checkpoint and their MLflow run.
 """
@@ -45,7 +45,7 @@ from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, Tr
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, run_origin
 from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
-from pipeline.transfer import SWEEP_SOURCES, save_source, sweep_source_location
+from pipeline.trained.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason

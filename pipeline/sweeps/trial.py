@@ -25,7 +25,7 @@ from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.reporting import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import open_child_run
-from pipeline.transfer import saved_initial_weights, sweep_source_location
+from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SweepPlan:
     parent_run_id: str
     trial_storage: str  # where each trial's Ray Train run lives (local path or URI), one dir per trial id
     source: str = "vitsweep tune"  # the sweep's command line (MLflow's Source of each trial)
-    init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.transfer)
+    init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.trained.transfer)
 
 
 def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 the model's own validation fed it (``pipeline.data.images``).
 
 ``ImageClassifier`` is the one implementation behind ``vitsweep predict`` and the MLflow pyfunc that
-every logged model carries (``pipeline.serving``). As timm's ``inference.py``, it reports class
+every logged model carries (``pipeline.trained.serving``). As timm's ``inference.py``, it reports class
 names and softmax probabilities, best first; the names are the training set's (the model's card).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from pipeline.data.images import UnreadableImageError, read_image, to_model_input
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import EvalPreprocessing, ModelCard
-from pipeline.model_source import ModelSource
+from pipeline.trained.model_source import ModelSource
 
 DEFAULT_TOPK = 5
 BATCH_SIZE = 64  # images per forward pass

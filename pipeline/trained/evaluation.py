@@ -1,7 +1,7 @@
 """`vitsweep evaluate`: a trained model on any ``.beton``, through training's own validation path.
 
 1. ``plan_evaluation``: everything that can be wrong, before anything is written or started (exit 2):
-   the source resolves (``pipeline.model_source``), the dataset verifies against its sidecar and has
+   the source resolves (``pipeline.trained.model_source``), the dataset verifies against its sidecar and has
    the model's class count, the preprocessing (the model's own validation's, or ``--img-size`` /
    ``--crop-ratio``) is valid and the model runs with it, the MLflow store answers.
 2. ``evaluate_here`` (one process) or ``evaluate_on_ray`` (``--workers N`` Ray Train workers, each
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline import evaluation_report as report
+from pipeline.trained import evaluation_report as report
 from pipeline import uris
 from pipeline.config.schema import DataConfig, ExperimentConfig
 from pipeline.console import active_console
@@ -35,7 +35,7 @@ from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.errors import InvalidInputError, RunFailed
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.model_card import EvalPreprocessing
-from pipeline.model_source import ModelSource, Provenance, resolve_model_source
+from pipeline.trained.model_source import ModelSource, Provenance, resolve_model_source
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, dataset_reference, run_origin
 from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
 

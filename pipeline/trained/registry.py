@@ -6,28 +6,22 @@ register through ``register_run``: the version points at the run's MLflow 3 logg
 carries what the run knows: its description, final metrics, datasets (name and SHA-256), model and
 knobs (a sweep trial's), as the version's description and tags. A run has one version per
 registered model: registering it again finds that version (and moves the alias to it) instead of
-adding another. SOURCE is any model source (``pipeline.model_source``) that names an MLflow run, or
-a sweep (its name under ``tune.storage_path`` / ``run.storage_path``, or its directory), which
-stands for its best trial by the sweep's metric, as the sweep itself picked it.
+adding another. The run is any model source (``pipeline.trained.model_source``) that names an MLflow
+run, or a sweep's best trial (``pipeline.sweeps.best_trial``).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved, _validate_model_name
 
-from pipeline import uris
-from pipeline.config.schema import ExperimentConfig
-from pipeline.config.loading import validate
 from pipeline.errors import InvalidInputError
-from pipeline.model_source import resolve_model_source
 from pipeline.tracking.store import LOGGED_MODEL_NAME, MlflowRun
-from pipeline.tracking.connection import fluent_tracking_uri, require_reachable, resolve_tracking_uri
+from pipeline.tracking.connection import fluent_tracking_uri
 
 REPORTED_METRICS = ("val_top1", "val_top5", "val_loss", "val_top1_ema", "val_top5_ema", "val_loss_ema", "train_loss",
                     "epochs_trained")
@@ -59,58 +53,6 @@ def check_registry_names(name: str, alias: str | None) -> None:
     except MlflowException as err:
         raise InvalidInputError(f"cannot register as {name!r}" + (f" with alias {alias!r}" if alias else "")
                                 + f": {err.message}") from None
-
-
-def register_source(given: str, name: str, alias: str | None, cfg: ExperimentConfig) -> Registration:
-    """Register what ``given`` names (a run's model, or a sweep's best trial's) as a version of ``name``."""
-    check_registry_names(name, alias)
-    cfg = cfg.with_absolute_paths()
-    sweep = sweep_directory(given, cfg)
-    if sweep is not None:
-        tracking_uri, run_id = best_trial(given, sweep)
-    else:
-        provenance = resolve_model_source(given, storage_path=cfg.run.storage_path,
-                                          tracking_uri=resolve_tracking_uri(cfg)).provenance
-        if not (provenance.run_id and provenance.tracking_uri):
-            raise InvalidInputError(
-                f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
-                "registered; give its run (name or directory) or runs:/RUN_ID/model"
-            )
-        tracking_uri, run_id = provenance.tracking_uri, provenance.run_id
-    return register_run(tracking_uri, run_id, name, alias)
-
-
-def sweep_directory(given: str, cfg: ExperimentConfig) -> str | None:
-    """The sweep directory ``given`` names (its path, or its name in the sweeps' storage), if it is one."""
-    from pipeline.sweeps.runner import RECORD_NAME
-
-    if given.startswith(("runs:/", "models:/")):
-        return None
-    root = cfg.tune.storage_path or cfg.run.storage_path
-    for candidate in (uris.absolute(given), uris.join(root, given)):
-        if not uris.is_uri(candidate) and (Path(candidate) / RECORD_NAME).is_file():
-            return candidate
-    return None
-
-
-def best_trial(given: str, sweep_dir: str) -> tuple[str, str]:
-    """(tracking URI, run id) of the sweep's best trial that trained every epoch, by the sweep's metric."""
-    from pipeline.sweeps import report
-    from pipeline.sweeps.runner import RECORD_NAME
-
-    record = json.loads((Path(sweep_dir) / RECORD_NAME).read_text())
-    tune = validate(record["base_config"]).tune
-    uri, parent_id = record["tracking_uri"], record.get("parent_run_id")
-    require_reachable(uri)
-    if not parent_id:
-        raise InvalidInputError(f"sweep {given!r} ({sweep_dir}) never started a trial: nothing to register")
-    rows = report.sweep_rows(MlflowRun(uri, parent_id), tune.metric)
-    best = report.best_row(rows, tune.metric, tune.mode)
-    if best is None:
-        states = ", ".join(f"{row.trial_id} {row.state}" for row in rows) or "no trials"
-        raise InvalidInputError(f"sweep {given!r} has no trial that trained every epoch ({states}): nothing to "
-                                "register; register one of its trials' runs by its run id instead")
-    return uri, best.run_id
 
 
 def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = None) -> Registration:

@@ -1,6 +1,6 @@
 """Starting a run from trained weights (``model.init_from``): what of a source fits the model, and how.
 
-A source (``pipeline.model_source``) is made to fit the configured model the way timm makes a
+A source (``pipeline.trained.model_source``) is made to fit the configured model the way timm makes a
 checkpoint fit (``load_pretrained``, ``checkpoint_filter_fn``, ``reset_classifier``,
 ``resample_abs_pos_embed``). Every weight of the source and of the model is one of:
 
@@ -49,7 +49,7 @@ from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model
 
 if TYPE_CHECKING:  # the resolver imports MLflow, which the workers (loading the saved source) never need
-    from pipeline.model_source import ModelSource, Provenance
+    from pipeline.trained.model_source import ModelSource, Provenance
 
 SOURCE_FILE = "init_source.safetensors"  # in a run directory: the weights the run started from
 SWEEP_SOURCES = "init_sources"  # in a sweep directory: one saved source per model.init_from of its trials
@@ -81,7 +81,7 @@ class TransferPlan:
 
     @property
     def provenance(self) -> Provenance:
-        from pipeline.model_source import Provenance
+        from pipeline.trained.model_source import Provenance
 
         return Provenance(**self.source)
 
@@ -305,7 +305,7 @@ def read_saved_weights(location: str) -> dict[str, torch.Tensor]:
 
 def read_saved_source(location: str) -> ModelSource:
     """A source written by ``save_source``: its weights, card and provenance."""
-    from pipeline.model_source import ModelSource
+    from pipeline.trained.model_source import ModelSource
 
     card, provenance = saved_source_header(location)[1:]
     return ModelSource(read_saved_weights(location), card, provenance)
@@ -327,7 +327,7 @@ def _header(prefix: bytes | None, read, location: str) -> dict[str, Any]:
 
 
 def _described(header: dict[str, Any], location: str) -> tuple[ModelCard | None, Provenance]:
-    from pipeline.model_source import Provenance
+    from pipeline.trained.model_source import Provenance
 
     metadata = header.get("__metadata__") or {}
     if _METADATA["provenance"] not in metadata:
@@ -362,7 +362,7 @@ def resolve_initial_weights(model: ModelConfig, num_classes: int, run_dir: str, 
                             tracking_uri: str) -> InitialWeights:
     """A run's ``model.init_from`` resolved and fitted to its model, before anything starts; a run
     restarted under its name takes the source it saved when it first started."""
-    from pipeline.model_source import resolve_model_source
+    from pipeline.trained.model_source import resolve_model_source
 
     location = uris.join(run_dir, SOURCE_FILE)
     if saved_source_exists(location):
