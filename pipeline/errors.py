@@ -1,4 +1,5 @@
-"""Error types the CLI maps to exit codes: bad input exits 2, a failed run 1, a signal 128 + its number."""
+"""Error types the CLI maps to exit codes: bad input exits 2, a failed run 1, a signal 128 + its number;
+and an error said in one line."""
 import signal
 
 
@@ -26,3 +27,9 @@ class Interrupted(KeyboardInterrupt):
 
 class AlreadyFinished(Exception):
     """A run asked for again, with the same config, has finished already: nothing to do (exit 0)."""
+
+
+def error_line(err: BaseException) -> str:
+    """The last line of an error, as a worker's traceback ends (Ray wraps worker errors in several layers)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:300]

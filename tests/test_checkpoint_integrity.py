@@ -297,7 +297,7 @@ def test_a_new_run_has_no_checkpoint_to_check(tmp_path):
 
 
 def test_a_rerun_of_a_run_stopped_before_its_first_checkpoint_says_it_starts_from_epoch_1(tmp_path, capsys):
-    from pipeline.runs import check_resumable
+    from pipeline.training.runs import check_resumable
     from pipeline.tracking.store import RUN_RECORD
 
     started = tmp_path / "stopped"  # its MLflow run was opened, then a signal came before epoch 1 ended
@@ -309,7 +309,7 @@ def test_a_rerun_of_a_run_stopped_before_its_first_checkpoint_says_it_starts_fro
 
 
 def test_a_first_run_says_nothing_about_checkpoints(tmp_path, capsys):
-    from pipeline.runs import check_resumable
+    from pipeline.training.runs import check_resumable
 
     check_resumable(tmp_path / "new", load_config("smoke", ["run.name=new"]), num_classes=10)
     assert capsys.readouterr().out == ""

@@ -178,10 +178,10 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_make_mutation_refuses_a_module_outside_the_core_ones_before_installing_anything():
-    result = subprocess.run(["make", "--no-print-directory", "mutation", "MODULE=pipeline.worker"],
+    result = subprocess.run(["make", "--no-print-directory", "mutation", "MODULE=pipeline.training.worker"],
                             cwd=REPO, capture_output=True, text=True, env=_env())
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "MODULE=pipeline.worker is not one of: pipeline.components.metrics pipeline.components.losses" in result.stderr
+    assert "MODULE=pipeline.training.worker is not one of: pipeline.components.metrics pipeline.components.losses" in result.stderr
 
 
 def test_the_readme_mutation_command_names_a_module_make_mutation_accepts():

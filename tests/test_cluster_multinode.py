@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.data.sidecar import read_sidecar
 from pipeline.data.staging import CACHE_DIR_ENV
-from pipeline.runs import CHECKPOINT_SNAPSHOT
+from pipeline.training.runs import CHECKPOINT_SNAPSHOT
 from simulated_cluster import run_cluster_process, stop_with_the_test
 
 NODE_CPUS = 1  # one training worker per simulated node on this 2-core machine
@@ -63,7 +63,7 @@ def _replace_node_after_first_checkpoint(cluster, node, run_dir: Path, plan: dic
 
 
 def _train(cfg, address: str, report: dict) -> None:
-    from pipeline.driver import train
+    from pipeline.training.driver import train
 
     try:
         outcome = train(cfg, address=address)

@@ -23,7 +23,7 @@ def test_without_a_node_cache_dir_staging_falls_back_under_run_storage(monkeypat
 
 @pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
 def test_the_placement_strategy_reaches_rays_scaling_config(strategy, tmp_path):
-    from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
+    from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
     from pipeline.tracking.store import MlflowRun
 
     cfg = load_config("smoke", [f"scaling.placement_strategy={strategy}"])

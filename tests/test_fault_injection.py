@@ -18,7 +18,7 @@ from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitswe
 from pipeline.components.checkpointing import read_meta
 from pipeline.config.loading import load_config
 from pipeline.components.modeling import build_model
-from pipeline.runs import unregistered_checkpoints
+from pipeline.training.runs import unregistered_checkpoints
 from test_tune_e2e import tune_command
 
 pytestmark = pytest.mark.slow

@@ -45,7 +45,7 @@ def test_work_on_a_thread_hands_back_its_result_or_its_error():
 
 
 def test_a_command_called_on_another_thread_leaves_the_main_threads_handlers_alone():
-    """A library user (or a test) may call `pipeline.driver.train` on a thread of its own: Python takes
+    """A library user (or a test) may call `pipeline.training.driver.train` on a thread of its own: Python takes
     signals in the main thread only, so the blocks neither fail there nor touch the main thread's handlers."""
     before = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
 

@@ -15,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import free_port, readme_block, vitsweep_env
-from pipeline.jobs import git_provenance
+from pipeline.training.jobs import git_provenance
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.jobs import RAY_JOB_ENV, check_paths_outlive_job, git_provenance, ray_job_id
+from pipeline.training.jobs import RAY_JOB_ENV, check_paths_outlive_job, git_provenance, ray_job_id
 
 JOB_CONFIG = json.dumps({"runtime_env": {}, "metadata": {"job_submission_id": "raysubmit_abc"}})
 

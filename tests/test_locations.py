@@ -7,7 +7,7 @@ import pytest
 from pipeline.cli import EXIT_INVALID_INPUT, main
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.locations import check_can_create, run_directories
+from pipeline.training.locations import check_can_create, run_directories
 from pipeline.tracking.connection import check_reachable
 
 UNCREATABLE = "/proc/vitsweep-test/runs"  # /proc refuses every mkdir, even root's

@@ -87,7 +87,7 @@ def trained(single_process_group, tmp_path_factory) -> TrainedRun:
     from ray.train import Checkpoint, Result
 
     from pipeline.components.optim import build_ema
-    from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, log_final_model
+    from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, log_final_model
 
     storage = tmp_path_factory.mktemp("runs")
     uri = f"sqlite:///{storage}/mlflow.db"
@@ -404,7 +404,7 @@ def test_every_source_form_starts_a_model_with_a_new_head_from_its_weights(train
 
 
 def test_a_run_records_where_its_weights_came_from_with_the_source_model_as_its_input(trained):
-    from pipeline.runs import record_initial_weights
+    from pipeline.training.runs import record_initial_weights
     from pipeline.trained.transfer import PLAN_ARTIFACT, resolve_initial_weights
 
     model = trained.card.model.model_copy(update={"init_from": f"models:/{REGISTERED}@champion"})

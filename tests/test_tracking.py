@@ -224,4 +224,4 @@ def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs
     thread of its own) would add seconds to every run's start on a small machine."""
     controller = "pipeline.training.epoch_logger, pipeline.tracking.store, pipeline.sweeps.reporting"
     assert _imported(controller, {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
-    assert _imported("pipeline.worker", {"mlflow"}) == "[]"
+    assert _imported("pipeline.training.worker", {"mlflow"}) == "[]"

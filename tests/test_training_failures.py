@@ -41,7 +41,7 @@ def test_a_storage_path_that_cannot_be_created_exits_2_naming_it_before_ray_star
 def test_bad_input_stops_the_local_ray_that_started_alongside_the_checks(tmp_path, digits16):
     import ray
 
-    from pipeline.driver import train_from_config
+    from pipeline.training.driver import train_from_config
     from pipeline.errors import InvalidInputError
 
     overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.train={tmp_path / 'nowhere.beton'}",
@@ -128,7 +128,7 @@ def test_a_lost_worker_is_the_failure_reason_not_the_broken_connection_it_left_o
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
     from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
 
-    from pipeline.runs import failure_reason
+    from pipeline.training.runs import failure_reason
 
     where = ActorMetadata(hostname="node-b", node_id="ab" * 28, node_ip="10.0.0.7", pid=4242, accelerator_ids={})
     died = ActorDiedError(ActorDiedErrorContext(
@@ -143,7 +143,7 @@ def test_a_lost_worker_is_the_failure_reason_not_the_broken_connection_it_left_o
 
 
 def test_a_failed_runs_stop_reason_is_the_last_line_of_the_workers_error():
-    from pipeline.runs import error_line
+    from pipeline.errors import error_line
 
     wrapped = RuntimeError("Training failed due to worker errors:\n[Rank 1]\nTraceback (most recent call last):\n"
                            '  File "worker.py", line 3, in fit\nOSError: [Errno 28] No space left on device\n\n')

@@ -342,7 +342,7 @@ def _data(tmp_path, digits16) -> list[str]:
 
 
 def test_a_run_whose_source_does_not_fit_is_refused_before_any_worker_naming_the_weights(tmp_path, digits16):
-    from pipeline.runs import check_run
+    from pipeline.training.runs import check_run
 
     source = _smoke_weights(tmp_path / "deeper.safetensors", depth=3)
     with pytest.raises(InvalidInputError) as refused:  # the CLI's exit 2
@@ -352,7 +352,7 @@ def test_a_run_whose_source_does_not_fit_is_refused_before_any_worker_naming_the
 
 
 def test_a_checked_run_starts_from_its_source_and_writes_it_only_at_launch(tmp_path, digits16):
-    from pipeline.runs import check_run
+    from pipeline.training.runs import check_run
 
     source = _smoke_weights(tmp_path / "same.safetensors", depth=2)
     run = check_run(load_config("smoke", [*_data(tmp_path, digits16), f"model.init_from={source}", "run.name=ft"]))
@@ -409,7 +409,7 @@ def test_the_finetune_presets_hold_the_papers_printed_settings():
 
 
 def test_long_lists_of_weights_stay_within_mlflows_tag_limit_and_whole_in_the_artifact(tmp_path):
-    from pipeline.runs import record_initial_weights
+    from pipeline.training.runs import record_initial_weights
     from pipeline.tracking.store import MlflowStore
 
     model = with_source(model_config("vit", args={"depth": 40})).model_copy(update={"init_exclude": ("blocks.*",)})

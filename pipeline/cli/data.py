@@ -99,7 +99,7 @@ def _write(args: argparse.Namespace) -> int:
     from pipeline.data.sources import DIGITS, SubsetSource, open_source
     from pipeline.data.writing import WriteFailedError, write_beton
     from pipeline.errors import InvalidInputError
-    from pipeline.locations import check_can_create
+    from pipeline.training.locations import check_can_create
 
     _user_facing()
     check_can_create(files={"OUT.beton": args.out})
@@ -138,7 +138,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from pipeline.data.integrity import check_beton
     from pipeline.uris import location_problem
     from pipeline.errors import InvalidInputError
-    from pipeline.locations import check_can_create
+    from pipeline.training.locations import check_can_create
 
     _user_facing()
     if args.samples < 1:
@@ -187,7 +187,7 @@ def _stage(args: argparse.Namespace) -> int:
     from pipeline.uris import location_problem
     from pipeline.data.staging import stage_dataset
     from pipeline.errors import InvalidInputError
-    from pipeline.locations import check_can_create
+    from pipeline.training.locations import check_can_create
 
     problem = location_problem(args.uri, kind="file")
     if problem:
@@ -205,7 +205,7 @@ def _stage(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from pipeline.config.loading import load_config
     from pipeline.data.prepare import prepare_digits
-    from pipeline.locations import check_can_create
+    from pipeline.training.locations import check_can_create
 
     _user_facing()
     cfg = load_config(args.config, args.overrides)

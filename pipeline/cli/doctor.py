@@ -116,7 +116,7 @@ def _mlflow(cfg: ExperimentConfig) -> str:
 
 
 def _disk(cfg: ExperimentConfig) -> str:
-    from pipeline.locations import check_can_create, run_directories
+    from pipeline.training.locations import check_can_create, run_directories
 
     check_can_create(run_directories(cfg))  # the run's storage and this node's caches can be written
     storage = Path(cfg.run.storage_path).expanduser().resolve()

@@ -24,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     from pipeline.console import command_console
 
     with command_console(args.verbose) as console:
-        from pipeline.driver import train_from_config
+        from pipeline.training.driver import train_from_config
 
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
         from pipeline.tracking.ui import where_to_look

@@ -29,11 +29,11 @@ from pipeline import interrupts, uris
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console
-from pipeline.driver import ray_address, start_ray
-from pipeline.jobs import check_paths_outlive_job
+from pipeline.ray_connection import ray_address, start_ray
+from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
-from pipeline.locations import check_can_create, run_directories
-from pipeline.runs import ResolvedData, resolve_data
+from pipeline.training.locations import check_can_create, run_directories
+from pipeline.training.runs import ResolvedData, resolve_data
 from pipeline.sweeps import importance, plots, report, summary, view
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record

@@ -4,7 +4,7 @@ Ray 2.60 (Train V2) cannot hand a ``TorchTrainer`` to ``tune.Tuner``; the patter
 plain function trainable that builds the trainer and calls ``fit()``. The trial function holds
 ``tune.trial_cpus`` and mostly waits; its ``TorchTrainer`` asks Ray for its own workers.
 
-A trial gets the same MLflow record as a training run (``pipeline.runs``: params, per-epoch
+A trial gets the same MLflow record as a training run (``pipeline.training.runs``: params, per-epoch
 metrics, artifacts, the final model, FAILED on divergence), nested under the sweep's parent run
 and keyed by its trial id, so a trial restarted by ``--resume`` continues its run and its Ray
 Train checkpoint instead of starting another.
@@ -18,9 +18,9 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.driver import WORKER_GROUP_START_TIMEOUT_S
+from pipeline.ray_connection import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
+from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.reporting import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, short_keys

@@ -6,7 +6,7 @@
    ``--crop-ratio``) is valid and the model runs with it, the MLflow store answers.
 2. ``evaluate_here`` (one process) or ``evaluate_on_ray`` (``--workers N`` Ray Train workers, each
    reading its shard; every sample counted once, as training's validation counts them): the val
-   loader (``build_val_loader``), ``pipeline.worker.evaluate`` (the ``Tally`` training reports) and,
+   loader (``build_val_loader``), ``pipeline.training.worker.evaluate`` (the ``Tally`` training reports) and,
    in the same pass, the confusion matrix and each sample's top-1 prediction.
 3. ``record_evaluation``: an MLflow run of its own in the source's experiment, tagged
    ``vitsweep.role=evaluation`` and linked to the source run; its metrics are also the source's
@@ -211,8 +211,8 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from pipeline.driver import start_ray, ray_address
-    from pipeline.runs import error_line
+    from pipeline.ray_connection import start_ray, ray_address
+    from pipeline.errors import error_line
 
     start_ray(address, "evaluate")
     try:

@@ -1,6 +1,6 @@
 """From a config to a training run: check its inputs, open its MLflow run, build its trainer, fit and record.
 
-One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
+One path for ``vitsweep train`` (``pipeline.training.driver``) and for every sweep trial
 (``pipeline.sweeps.trial``):
 
 1. ``check_run``: everything that can be wrong with the input, before any worker starts (exit 2,
@@ -9,7 +9,7 @@ One path for ``vitsweep train`` (``pipeline.driver``) and for every sweep trial
    starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.trained.transfer``).
 2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
    (and where its initial weights came from: tags, ``init_weights.json``, the source model as an input).
-3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.worker`` on every rank.
+3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.training.worker`` on every rank.
 4. ``fit_and_record``: fit; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ from pipeline.data.prepare import prepare_offline_data
 from pipeline.components.distillation import build_teacher
 from pipeline.console import active_console
 from pipeline.components.engine import deepspeed_config
-from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed
-from pipeline.jobs import git_provenance
+from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed, error_line
+from pipeline.training.jobs import git_provenance
 from pipeline.trained.serving import log_model
 from pipeline.components.lr_scaling import describe_lr, recorded_params
 from pipeline.components.model_card import ModelCard
@@ -57,7 +57,7 @@ from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
 from pipeline.tracking.connection import check_logger_can_reach, require_reachable, resolve_tracking_uri
 from pipeline.trained.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
-from pipeline.worker import WorkerPlan, train_worker
+from pipeline.training.worker import WorkerPlan, train_worker
 
 
 class TrainingDiverged(RunFailed):
@@ -421,12 +421,6 @@ def lost_worker(rank: int, failure: Exception) -> str:
     if exit_type:
         how += f" ({exit_type[1]}{': ' + detail[1] if detail else ''})"
     return f"worker rank {rank}{where} died: {how}"
-
-
-def error_line(err: BaseException) -> str:
-    """The last line of an error, as a worker's traceback ends (Ray wraps worker errors in several layers)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:300]
 
 
 def end_run(tracking: MlflowRun, status: str, reason: str) -> None:

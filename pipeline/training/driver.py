@@ -1,0 +1,98 @@
+"""`vitsweep train`'s start-up sequence: check, start or join Ray (``pipeline.ray_connection``), train.
+
+Everything that can be wrong with the input is checked before any worker starts (exit 2, nothing
+written; ``pipeline.training.runs.check_run``). A new local Ray starts *while* those checks run (both mostly
+wait) and is stopped again on bad input; a cluster is joined only after the checks passed.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from pipeline import interrupts
+from pipeline.config.schema import ExperimentConfig
+from pipeline.config.loading import load_config
+from pipeline.console import LOG_FILE_NAME, active_console
+from pipeline.data.prepare import prepare_offline_data
+from pipeline.errors import Interrupted
+from pipeline.training.jobs import check_paths_outlive_job
+from pipeline.training.locations import check_can_create, run_directories
+from pipeline.components.lr_scaling import describe_lr
+from pipeline.ray_connection import check_address, ray_address, start_ray
+
+if TYPE_CHECKING:
+    from pipeline.training.runs import CheckedRun, TrainingOutcome
+
+
+def train_from_config(config: str | None, overrides: list[str], address: str | None,
+                      launched_at: float) -> TrainingOutcome:
+    """`vitsweep train --config CONFIG --set OVERRIDE ... [--address ADDRESS]`."""
+    return train(load_config(config, overrides), address, launched_at)
+
+
+def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
+    """Check everything, start or join Ray, then open the MLflow run and train.
+
+    A new local Ray (no --address, no RAY_ADDRESS) starts in the main thread (~5 s, mostly its own
+    processes on the other core; the processes it starts share the fate of the thread that started
+    them) side by side with the input checks on a daemon thread (~3 s); bad input stops that Ray
+    again. A signal stops everything at once, but for Ray's start, which ends first so that Ray is
+    stopped whole (``start_ray``). A cluster is joined only after the checks passed. The MLflow run
+    (which may be an earlier run continued) is touched only once every check passed, the cluster's
+    resources included, and from then on every ending is recorded in it.
+    """
+    launched_at = launched_at or time.time()
+    check_address(address)
+    local = ray_address(address) == "local"
+    # A dataset to write (the first run only) is written here, before Ray starts or the checks'
+    # thread: ffcv's writer forks its worker processes, best from a process with no other threads.
+    check_paths_outlive_job(cfg)  # not into a Ray job's temporary working directory
+    check_can_create(run_directories(cfg))
+    prepare_offline_data(cfg.with_absolute_paths())
+
+    def check() -> CheckedRun:
+        # Imported here, on the check thread: these imports (torch, timm, MLflow; seconds on a slow
+        # machine) overlap Ray's start-up in the main thread.
+        from pipeline.training.runs import check_run
+
+        return check_run(cfg, address)
+
+    tracking = None
+    try:
+        checking = interrupts.OnThread(check, "vitsweep-checks")
+        if local:
+            try:
+                start_ray(address)
+            except Interrupted:
+                raise  # at once: the checks' thread ends with the process
+            except BaseException:
+                checking.result()  # bad input explains more than a failed Ray start
+                raise
+        run = checking.result()
+        if not local:
+            start_ray(address)
+        from pipeline.training.runs import check_resources, launch, open_tracking, record_interrupt
+
+        check_resources(run.cfg, local)
+        console = active_console()
+        console.open_log(run.run_dir / LOG_FILE_NAME)
+        console.line(f"training {run.run_name}: library output in {console.log_path}")
+        if run.init is not None:
+            run.init.save()  # into the run directory, where every worker reads it
+            console.line(f"  starting from {run.init.plan.summary()}")
+        console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
+        with interrupts.held():  # the MLflow run is opened whole: a signal meanwhile ends it KILLED below
+            tracking = open_tracking(run)
+        return launch(run, tracking, launched_at)
+    except BaseException as err:
+        # Bad input, a failed start, a failed or interrupted run: Ray's processes and the workers go too.
+        with interrupts.ignored():
+            ray.shutdown(wait_for_processes=True)
+        if isinstance(err, Interrupted) and not err.outcome:  # not recorded by the fit
+            if tracking is None:
+                err.outcome = "stopped before training started; nothing was recorded"
+            else:
+                record_interrupt(tracking, err)
+        raise
