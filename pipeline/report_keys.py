@@ -1,6 +1,6 @@
 """Keys of what the workers report each epoch (``ray.train.report``) beside the metrics themselves,
 shared by the worker that writes them and the controller's callbacks that read them
-(``pipeline.training.epoch_logger``, ``pipeline.sweeps.reporting``) and the run that records them
+(``pipeline.training.epoch_logger``, ``pipeline.sweeps.tune_callback``) and the run that records them
 (``pipeline.tracking.store``). A module of its own, importing nothing: the workers would otherwise
 import MLflow, and the controller torch, on the way to every run's first step."""
 

@@ -174,14 +174,14 @@ def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[st
     from pipeline.data.loaders import build_val_loader
     from pipeline.data.sidecar import read_sidecar
     from pipeline.components.engine import input_dtype, keep_batchnorm_in_fp32
-    from pipeline.components.metrics import evaluate
+    from pipeline.components.metrics import validation_metrics
 
     dtype, weights = input_dtype(cfg), model.state_dict()
     model.to(dtype)
     keep_batchnorm_in_fp32(model)
     model.load_state_dict(weights)  # copies into the cast tensors: the running statistics stay exact
     loader = build_val_loader(cfg.data, val_beton, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, "cpu")
-    ours = evaluate(model, loader, dtype, torch.device("cpu"))
+    ours = validation_metrics(model, loader, dtype, torch.device("cpu"))
     # The ranks' batch shapes change how a kernel rounds: in fp32 by ~1e-7, in bf16 by up to ~1e-2,
     # which may flip a near-tie: one sample.
     one_sample = 100.0 / read_sidecar(val_beton).num_samples

@@ -21,7 +21,7 @@ from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton
 from pipeline.trained.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.components.metrics import ConfusionTally
-from pipeline.components.metrics import evaluate
+from pipeline.components.metrics import validation_metrics
 from conftest import VITSWEEP, run_vitsweep
 from test_data_images import NoiseSource
 
@@ -59,7 +59,7 @@ def test_its_metrics_are_training_validations_on_the_same_loader_and_weights(log
     _, run = evaluated
     data = DataConfig(num_workers=1, val_crop_ratio=0.875)
     loader = build_val_loader(data, logged_run.data["val"], 64, 16, "cpu")
-    expected = evaluate(logged_run.model, loader, torch.float32, torch.device("cpu"))
+    expected = validation_metrics(logged_run.model, loader, torch.float32, torch.device("cpu"))
     assert {key: run.data.metrics[key] for key in expected} == pytest.approx(expected, rel=1e-6)
     assert run.data.metrics["val_top1"] == expected["val_top1"]  # counts, not floats: exactly
 

@@ -9,7 +9,7 @@ import torch.multiprocessing as torch_mp
 from torch import nn
 
 from conftest import free_port, gloo_rank
-from pipeline.components.metrics import Tally, evaluate
+from pipeline.components.metrics import Tally, validation_metrics
 
 NUM_CLASSES = 10
 
@@ -82,7 +82,7 @@ def test_an_empty_tally_reports_zeros_rather_than_dividing_by_zero():
 
 
 def test_evaluate_drops_the_padding_rows_of_each_batch():
-    metrics = evaluate(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
+    metrics = validation_metrics(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
     assert metrics == pytest.approx(_expected(RANK0_REAL + RANK1_REAL))
 
 
@@ -90,7 +90,7 @@ def test_evaluate_puts_the_model_in_eval_mode_and_feeds_it_the_input_dtype():
     seen = []
     model = nn.Flatten().train()
     model.register_forward_hook(lambda module, inputs, _: seen.append((module.training, inputs[0].dtype)))
-    evaluate(model, SHARDS[0], torch.float64, torch.device("cpu"))
+    validation_metrics(model, SHARDS[0], torch.float64, torch.device("cpu"))
     assert seen == [(False, torch.float64)]
 
 
@@ -106,9 +106,9 @@ RUNNING_MEANS = {0: 0.0, 1: 4.0}  # each rank's BatchNorm saw other batches
 
 def _evaluate_on_rank(rank: int, world_size: int, port: int, out_dir) -> None:
     with gloo_rank(rank, world_size, port):
-        plain = evaluate(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
+        plain = validation_metrics(nn.Flatten(), SHARDS[rank], torch.float32, torch.device("cpu"))
         model = _normalised(RUNNING_MEANS[rank])
-        normalised = evaluate(model, SHARDS[rank], torch.float32, torch.device("cpu"))
+        normalised = validation_metrics(model, SHARDS[rank], torch.float32, torch.device("cpu"))
         past_float32 = Tally(samples=2.0**24 + 1).reduced(torch.device("cpu")).samples  # float32 would round it
         record = {"plain": plain, "normalised": normalised, "running_mean": model.running_mean.tolist(),
                   "samples_past_float32": past_float32}
@@ -125,7 +125,7 @@ def two_ranks(tmp_path_factory):
 
 def test_every_rank_reports_the_metrics_of_all_ranks_samples(two_ranks):
     # What one process reports over both shards (checked by hand above) is what each rank reports.
-    single = evaluate(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
+    single = validation_metrics(nn.Flatten(), SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
     for rank in range(2):
         assert two_ranks[rank]["plain"] == pytest.approx(single) == _expected(RANK0_REAL + RANK1_REAL), rank
         assert two_ranks[rank]["samples_past_float32"] == 2 * (2**24 + 1), rank  # counts are summed exactly
@@ -135,7 +135,7 @@ def test_every_rank_reports_the_metrics_of_all_ranks_samples(two_ranks):
 def test_every_rank_evaluates_one_model_with_batchnorm_statistics_averaged_over_ranks(two_ranks):
     # As timm's train.py does (--dist-bn reduce): the model every rank scores is the one rank 0 saves.
     average = _normalised(sum(RUNNING_MEANS.values()) / 2)
-    single = evaluate(average, SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
+    single = validation_metrics(average, SHARDS[0] + SHARDS[1], torch.float32, torch.device("cpu"))
     for rank in range(2):
         assert two_ranks[rank]["running_mean"] == average.running_mean.tolist(), rank
         assert two_ranks[rank]["normalised"] == pytest.approx(single), rank

@@ -222,6 +222,6 @@ def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs
     report to Tune) before it starts any worker, and each worker the recipe's before its first line:
     torch, timm or ffcv in the first, MLflow in the second (a node's system-metrics monitor imports it on a
     thread of its own) would add seconds to every run's start on a small machine."""
-    controller = "pipeline.training.epoch_logger, pipeline.tracking.store, pipeline.sweeps.reporting"
+    controller = "pipeline.training.epoch_logger, pipeline.tracking.store, pipeline.sweeps.tune_callback"
     assert _imported(controller, {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
     assert _imported("pipeline.training.worker", {"mlflow"}) == "[]"

@@ -80,8 +80,8 @@ def average_batchnorm_statistics(model) -> None:
         distribute_bn(model, dist.get_world_size(), reduce=True)
 
 
-def evaluate(model, val_loader, input_dtype: torch.dtype, device: torch.device,
-             observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
+def validation_metrics(model, val_loader, input_dtype: torch.dtype, device: torch.device,
+                       observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, float]:
     """Top-1/top-5 and loss of ``model`` (the engine, or the EMA) over every validation sample
     exactly once across ranks, after its BatchNorm statistics are averaged over the ranks;
     ``observe(logits, labels)`` sees each batch's real rows too (``vitsweep evaluate``'s confusion

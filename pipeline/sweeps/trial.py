@@ -20,9 +20,9 @@ from ray import tune
 
 from pipeline.ray_connection import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_tracking
+from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_mlflow_run
 from pipeline.sweeps.planning import resolve_trial
-from pipeline.sweeps.reporting import SweepReportCallback
+from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import open_child_run
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
@@ -75,10 +75,10 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri, init)
 
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
-    tracking = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,
-                              trial_run_name(trial_id, knobs), knobs)
-    open_tracking(run, tracking, source=f"{plan.source} (trial {trial_id})")
-    tracking.log_params(knob_params(knobs))
-    trainer = build_trainer(run, tracking, launched_at, callbacks=(SweepReportCallback(),), announce=False)
+    mlflow_run = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,
+                                trial_run_name(trial_id, knobs), knobs)
+    open_mlflow_run(run, mlflow_run, source=f"{plan.source} (trial {trial_id})")
+    mlflow_run.log_params(knob_params(knobs))
+    trainer = build_trainer(run, mlflow_run, launched_at, callbacks=(SweepReportCallback(),), announce=False)
     # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
-    fit_and_record(trainer, run, tracking, record_failure=False)
+    fit_and_record(trainer, run, mlflow_run, record_failure=False)

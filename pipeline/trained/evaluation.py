@@ -152,12 +152,12 @@ class SampleRecorder:
 
 def _evaluate_shard(source: ModelSource, data: DataConfig, path: Path, preprocessing: EvalPreprocessing,
                     batch_size: int, device: torch.device, distributed: bool) -> tuple[dict, torch.Tensor, dict]:
-    from pipeline.components.metrics import evaluate
+    from pipeline.components.metrics import validation_metrics
 
     model = source.build(preprocessing.img_size).to(device)
     loader = build_val_loader(data, path, batch_size, preprocessing.img_size, device, distributed=distributed)
     recorder = SampleRecorder(source.card.num_classes)
-    metrics = evaluate(model, loader, torch.float32, device, observe=recorder)
+    metrics = validation_metrics(model, loader, torch.float32, device, observe=recorder)
     return metrics, recorder.confusion.reduced(device), recorder.samples()
 
 

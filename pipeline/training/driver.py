@@ -59,7 +59,7 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
 
         return check_run(cfg, address)
 
-    tracking = None
+    mlflow_run = None
     try:
         checking = interrupts.OnThread(check, "vitsweep-checks")
         if local:
@@ -73,7 +73,7 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         run = checking.result()
         if not local:
             start_ray(address)
-        from pipeline.training.runs import check_resources, launch, open_tracking, record_interrupt
+        from pipeline.training.runs import check_resources, launch, open_mlflow_run, record_interrupt
 
         check_resources(run.cfg, local)
         console = active_console()
@@ -84,15 +84,15 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
             console.line(f"  starting from {run.init.plan.summary()}")
         console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
         with interrupts.held():  # the MLflow run is opened whole: a signal meanwhile ends it KILLED below
-            tracking = open_tracking(run)
-        return launch(run, tracking, launched_at)
+            mlflow_run = open_mlflow_run(run)
+        return launch(run, mlflow_run, launched_at)
     except BaseException as err:
         # Bad input, a failed start, a failed or interrupted run: Ray's processes and the workers go too.
         with interrupts.ignored():
             ray.shutdown(wait_for_processes=True)
         if isinstance(err, Interrupted) and not err.outcome:  # not recorded by the fit
-            if tracking is None:
+            if mlflow_run is None:
                 err.outcome = "stopped before training started; nothing was recorded"
             else:
-                record_interrupt(tracking, err)
+                record_interrupt(mlflow_run, err)
         raise

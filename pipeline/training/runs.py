@@ -7,7 +7,7 @@ One path for ``vitsweep train`` (``pipeline.training.driver``) and for every swe
    nothing written): the datasets, the model (built once on the meta device, which also gives its
    facts), the distillation teacher, the MLflow store, a restarted run's checkpoint, the weights it
    starts from (``model.init_from``: resolved and fitted to the model, ``pipeline.trained.transfer``).
-2. ``open_tracking``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
+2. ``open_mlflow_run``: the run's MLflow run, new or continued, with its params, tags and setup artifacts
    (and where its initial weights came from: tags, ``init_weights.json``, the source model as an input).
 3. ``build_trainer``: the Ray Train ``TorchTrainer`` running ``pipeline.training.worker`` on every rank.
 4. ``fit_and_record``: fit; the MLflow run ends FINISHED (with the final model), FAILED or KILLED.
@@ -295,13 +295,13 @@ def describe_run(run: CheckedRun) -> str:
             f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
 
 
-def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
-    """The run's MLflow run with its setup logged: ``tracking`` (a sweep trial's, already keyed by
+def open_mlflow_run(run: CheckedRun, mlflow_run: MlflowRun | None = None, source: str | None = None) -> MlflowRun:
+    """The run's MLflow run with its setup logged: ``mlflow_run`` (a sweep trial's, already keyed by
     its trial id), else the one recorded in the run directory (a restart), else a new one."""
     cfg = run.cfg
-    tracking = tracking or MlflowRun.open_or_continue(run.tracking_uri, cfg.tracking.experiment, run.run_dir,
-                                                      run.run_name)
-    tracking.log_setup(
+    mlflow_run = mlflow_run or MlflowRun.open_or_continue(run.tracking_uri, cfg.tracking.experiment, run.run_dir,
+                                                          run.run_name)
+    mlflow_run.log_setup(
         cfg,
         files={
             "config.yaml": cfg.to_yaml(),
@@ -312,16 +312,16 @@ def open_tracking(run: CheckedRun, tracking: MlflowRun | None = None, source: st
         tags={**environment_tags(cfg), **run_origin(describe_run(run), source or command_line())},
     )
     # The rate and global batch it trains at, beside the knob the config gives (optim.lr or optim.lr_per_512).
-    tracking.log_params(recorded_params(cfg.optim, cfg.scaling.num_workers))
-    if not tracking.get().inputs.dataset_inputs and run.data.train_sha256:
-        tracking.log_datasets({"training": (run.data.train, run.data.train_sha256),
-                               "validation": (run.data.val, run.data.val_sha256)})
+    mlflow_run.log_params(recorded_params(cfg.optim, cfg.scaling.num_workers))
+    if not mlflow_run.get().inputs.dataset_inputs and run.data.train_sha256:
+        mlflow_run.log_datasets({"training": (run.data.train, run.data.train_sha256),
+                                 "validation": (run.data.val, run.data.val_sha256)})
     if run.init is not None:
-        record_initial_weights(tracking, run.init)
-    return tracking
+        record_initial_weights(mlflow_run, run.init)
+    return mlflow_run
 
 
-def record_initial_weights(tracking: MlflowRun, init: InitialWeights) -> None:
+def record_initial_weights(mlflow_run: MlflowRun, init: InitialWeights) -> None:
     """Where the run's weights came from, on its MLflow run: ``init.*`` tags (the source as given,
     its kind, run, logged and registered model; what was loaded, reset, resampled), every weight's
     fate in ``init_weights.json``, and the source's logged model as an input of the run (MLflow 3's
@@ -336,10 +336,10 @@ def record_initial_weights(tracking: MlflowRun, init: InitialWeights) -> None:
             "init.summary": _shortened(plan.summary()), "init.loaded": str(len(plan.loaded)),
             "init.reset": _shortened(", ".join(plan.reset)), "init.resampled": _shortened(", ".join(plan.resampled)),
             "init.excluded": _shortened(", ".join(plan.excluded))}
-    tracking.set_tags({key: value for key, value in tags.items() if value})
-    tracking.log_texts({PLAN_ARTIFACT: json.dumps(plan.as_dict(), indent=1)})
-    if provenance.model_id and provenance.tracking_uri == tracking.uri:
-        tracking.log_model_input(provenance.model_id)
+    mlflow_run.set_tags({key: value for key, value in tags.items() if value})
+    mlflow_run.log_texts({PLAN_ARTIFACT: json.dumps(plan.as_dict(), indent=1)})
+    if provenance.model_id and provenance.tracking_uri == mlflow_run.uri:
+        mlflow_run.log_model_input(provenance.model_id)
 
 
 def _shortened(text: str, limit: int = 1000) -> str:
@@ -347,13 +347,13 @@ def _shortened(text: str, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit - 40].rsplit(", ", 1)[0] + f", ... (see {PLAN_ARTIFACT})"
 
 
-def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, callbacks: tuple = (),
+def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, callbacks: tuple = (),
                   announce: bool = True) -> TorchTrainer:
     """The Ray Train TorchTrainer of one run; ``callbacks`` adds e.g. Tune's report callback;
     ``announce``: epoch and progress lines on the console (a sweep shows its own table instead)."""
     cfg = run.cfg
     score = cfg.run.checkpoint_score
-    plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, tracking.uri, tracking.run_id,
+    plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
                       run.facts.gflops, announce, run.card.as_dict(),
                       run.init.for_workers() if run.init is not None else None)
     return TorchTrainer(
@@ -376,7 +376,7 @@ def build_trainer(run: CheckedRun, tracking: MlflowRun, launched_at: float, call
                 checkpoint_score_attribute=score,
                 checkpoint_score_order="min" if score.endswith("loss") else "max",
             ),
-            callbacks=[MLflowEpochLogger(tracking, cfg.optim.epochs, announce), *callbacks],
+            callbacks=[MLflowEpochLogger(mlflow_run, cfg.optim.epochs, announce), *callbacks],
             worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},
         ),
     )
@@ -423,24 +423,24 @@ def lost_worker(rank: int, failure: Exception) -> str:
     return f"worker rank {rank}{where} died: {how}"
 
 
-def end_run(tracking: MlflowRun, status: str, reason: str) -> None:
+def end_run(mlflow_run: MlflowRun, status: str, reason: str) -> None:
     """The run's final status with its one-line reason (tag ``stop_reason``); a store that cannot be
     written any more (a full disk) is reported, not raised over the run's own error."""
     try:
-        tracking.end(status, reason)
+        mlflow_run.end(status, reason)
     except Exception as err:  # noqa: BLE001
-        print(f"vitsweep: could not record {status} ({reason}) in MLflow run {tracking.run_id}: {error_line(err)}",
+        print(f"vitsweep: could not record {status} ({reason}) in MLflow run {mlflow_run.run_id}: {error_line(err)}",
               file=sys.stderr, flush=True)
 
 
-def record_interrupt(tracking: MlflowRun, stop: Interrupted) -> None:
+def record_interrupt(mlflow_run: MlflowRun, stop: Interrupted) -> None:
     """The MLflow run ends KILLED with the signal as its reason, and the interrupt says so."""
-    end_run(tracking, "KILLED", f"interrupted: {stop.signal_name}")
-    stop.outcome = (f"MLflow run {tracking.run_id} is marked KILLED; run the same command again to continue "
+    end_run(mlflow_run, "KILLED", f"interrupted: {stop.signal_name}")
+    stop.outcome = (f"MLflow run {mlflow_run.run_id} is marked KILLED; run the same command again to continue "
                     "from its last checkpoint")
 
 
-def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, record_failure: bool = True) -> Result:
+def fit_and_record(trainer: TorchTrainer, run: CheckedRun, mlflow_run: MlflowRun, record_failure: bool = True) -> Result:
     """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED, with its reason.
 
     ``record_failure=False`` leaves a run whose ``fit()`` raised RUNNING for the caller to record:
@@ -453,10 +453,10 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
         else:  # a sweep trial: Tune owns the signals
             result = trainer.fit()
     except Interrupted as stop:
-        record_interrupt(tracking, stop)
+        record_interrupt(mlflow_run, stop)
         raise
     except KeyboardInterrupt:
-        end_run(tracking, "KILLED", "interrupted")
+        end_run(mlflow_run, "KILLED", "interrupted")
         raise
     except BaseException as err:
         if not record_failure:
@@ -464,19 +464,19 @@ def fit_and_record(trainer: TorchTrainer, run: CheckedRun, tracking: MlflowRun, 
         remove_unregistered_checkpoints(run)  # also frees the space a full disk needs to record the failure
         active_console().library("".join(traceback.format_exception(err)))
         reason = f"error: {failure_reason(err)}"
-        end_run(tracking, "FAILED", reason)
-        raise RunFailed(f"{reason}; MLflow run {tracking.run_id} marked FAILED") from err
+        end_run(mlflow_run, "FAILED", reason)
+        raise RunFailed(f"{reason}; MLflow run {mlflow_run.run_id} marked FAILED") from err
     remove_unregistered_checkpoints(run)  # a worker group restarted mid-report left its half-reported one
-    divergence = tracking.diverged_at()
+    divergence = mlflow_run.diverged_at()
     if divergence:
-        end_run(tracking, "FAILED", f"diverged: loss diverged at {divergence}")
-        raise TrainingDiverged(f"loss diverged at {divergence}; MLflow run {tracking.run_id} marked FAILED")
-    log_final_model(run, result, tracking)
-    end_run(tracking, "FINISHED", "completed")
+        end_run(mlflow_run, "FAILED", f"diverged: loss diverged at {divergence}")
+        raise TrainingDiverged(f"loss diverged at {divergence}; MLflow run {mlflow_run.run_id} marked FAILED")
+    log_final_model(run, result, mlflow_run)
+    end_run(mlflow_run, "FINISHED", "completed")
     return result
 
 
-def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> None:
+def log_final_model(run: CheckedRun, result: Result, mlflow_run: MlflowRun) -> None:
     """The final checkpoint's weights as the run's MLflow model; its id joins the run directory's
     record, so the run's name or directory leads to it (``pipeline.trained.model_source``)."""
     with result.checkpoint.as_directory() as directory:
@@ -485,14 +485,14 @@ def log_final_model(run: CheckedRun, result: Result, tracking: MlflowRun) -> Non
         model = build_model(run.cfg.model, run.data.num_classes)
         load_model(model, str(final))
         last_epoch = int(result.metrics.get("epoch", run.cfg.optim.epochs))
-        model_id = log_model(tracking, model, weights, run.card, step=last_epoch)
+        model_id = log_model(mlflow_run, model, weights, run.card, step=last_epoch)
     if not uris.is_uri(run.storage):
-        update_run_record(run.run_dir, tracking_uri=tracking.uri, run_id=tracking.run_id,
-                          experiment_id=tracking.get().info.experiment_id, model_id=model_id)
+        update_run_record(run.run_dir, tracking_uri=mlflow_run.uri, run_id=mlflow_run.run_id,
+                          experiment_id=mlflow_run.get().info.experiment_id, model_id=model_id)
 
 
-def launch(run: CheckedRun, tracking: MlflowRun, launched_at: float) -> TrainingOutcome:
+def launch(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float) -> TrainingOutcome:
     """Train a checked run whose MLflow run is open: build the trainer, fit, record."""
-    result = fit_and_record(build_trainer(run, tracking, launched_at), run, tracking)
-    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, tracking.get().info.experiment_id,
-                           tracking.run_id, dict(result.metrics))
+    result = fit_and_record(build_trainer(run, mlflow_run, launched_at), run, mlflow_run)
+    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, mlflow_run.get().info.experiment_id,
+                           mlflow_run.run_id, dict(result.metrics))

@@ -34,7 +34,7 @@ from pipeline.components.engine import (compile_engine, deepspeed_config, input_
     low_precision_autocast, use_the_environments_ninja)
 from pipeline.components.losses import build_training_loss
 from pipeline.components.lr_scaling import effective_lr
-from pipeline.components.metrics import evaluate
+from pipeline.components.metrics import validation_metrics
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
@@ -277,10 +277,10 @@ class Trainer:
                      f"{stats.samples / max(seconds, 1e-9):.0f} img/s  eta {_duration(eta)}")
 
     def evaluate(self, with_ema: bool = True) -> dict[str, float]:
-        metrics = evaluate(self.engine, self.val_loader, self.input_dtype, self.device)
+        metrics = validation_metrics(self.engine, self.val_loader, self.input_dtype, self.device)
         if self.ema is not None and with_ema:  # the fp32 shadow, run in the training precision
             with self.autocast:
-                ema_metrics = evaluate(self.ema.module, self.val_loader, torch.float32, self.device)
+                ema_metrics = validation_metrics(self.ema.module, self.val_loader, torch.float32, self.device)
             metrics.update({f"{key}_ema": value for key, value in ema_metrics.items()})
         return metrics
 
