@@ -124,18 +124,7 @@ class Trainer:
                                                   daemon=True)
             self.monitor_start.start()
 
-        # Data: this node's copy of each dataset, this rank's shard of it.
-        cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
-        train, val = (stage_dataset(location, cache_dir, cfg.data.stage_streams)
-                      for location in (cfg.data.train, cfg.data.val))
-        distributed = self.world_size > 1
-        self.train_loader = build_train_loader(
-            cfg.data, train, cfg.optim.micro_batch_size, cfg.model.img_size,
-            self.device, distributed=distributed, seed=cfg.run.seed,
-        )
-        self.val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
-            cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
-        )
+        self.train_loader, self.val_loader = self.build_loaders()
 
         # Model (with the weights it starts from, before DeepSpeed partitions or casts it), optimizer,
         # schedule, engine.
@@ -165,18 +154,38 @@ class Trainer:
         self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
         self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast)
 
-        # Resume: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the run);
-        # a corrupt one is skipped for the newest intact one beside it (local storage), never retried.
-        self.start_epoch = 0
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as directory:
-                local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-                chosen = checkpoint_to_resume(directory, Path(checkpoint.path).parent if local else None)
-                if chosen is not None:
-                    self.start_epoch = load_checkpoint(self.engine, chosen, identity=self.identity, rank=self.rank,
-                                                       ema=self.ema)
+        self.start_epoch = self.resume()
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
+
+    def build_loaders(self):
+        """This node's copy of each dataset (staged once per node), this rank's shard of it."""
+        cfg = self.cfg
+        cache_dir = cache_dir_for(cfg.data, cfg.run.storage_path)
+        train, val = (stage_dataset(location, cache_dir, cfg.data.stage_streams)
+                      for location in (cfg.data.train, cfg.data.val))
+        distributed = self.world_size > 1
+        train_loader = build_train_loader(
+            cfg.data, train, cfg.optim.micro_batch_size, cfg.model.img_size,
+            self.device, distributed=distributed, seed=cfg.run.seed,
+        )
+        val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
+            cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
+        )
+        return train_loader, val_loader
+
+    def resume(self) -> int:
+        """The epoch to start from: Ray hands the latest checkpoint to a restarted worker group (or a
+        re-run of the run), loaded into the engine and EMA; a corrupt one is skipped for the newest
+        intact one beside it (local storage), never retried. 0 without one."""
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return 0
+        with checkpoint.as_directory() as directory:
+            local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+            chosen = checkpoint_to_resume(directory, Path(checkpoint.path).parent if local else None)
+            if chosen is None:
+                return 0
+            return load_checkpoint(self.engine, chosen, identity=self.identity, rank=self.rank, ema=self.ema)
 
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking.system_metrics import monitor_node_system
