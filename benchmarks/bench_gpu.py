@@ -116,7 +116,6 @@ def synchronize(device) -> None:
 
 def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path) -> tuple[float, float | None]:
     import deepspeed
-    import torch
 
     from pipeline.config.loading import load_config
     from pipeline.data.augment import BatchAugment

@@ -175,7 +175,7 @@ def test_registering_the_run_again_adds_no_version(store, after_training, capsys
 def test_the_sweep_registered_its_best_trial_and_registering_the_sweep_again_adds_no_version(store, after_training,
                                                                                             capsys):
     client = store[0]
-    assert f"registered run " in after_training.sweep.stdout and f"models:/{SWEEP_MODEL}@best" in \
+    assert "registered run " in after_training.sweep.stdout and f"models:/{SWEEP_MODEL}@best" in \
         after_training.sweep.stdout
     (parent,) = client.search_runs([store[1].info.experiment_id], "tags.`vitsweep.role` = 'sweep'")
     (version,) = client.search_model_versions(f"name = '{SWEEP_MODEL}'")

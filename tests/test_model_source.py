@@ -366,7 +366,7 @@ def test_an_mlflow_model_logged_without_vitsweeps_weights_files_is_named(trained
     with mlflow.start_run(run_id=run_id):
         mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model", serialization_format="pickle",
                                  pip_requirements=["torch"])
-    with pytest.raises(InvalidInputError, match=f"MLflow model m-.* was not logged by vitsweep with its weights"):
+    with pytest.raises(InvalidInputError, match="MLflow model m-.* was not logged by vitsweep with its weights"):
         resolve(trained, f"runs:/{run_id}/model")
 
 

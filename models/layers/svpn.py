@@ -146,14 +146,15 @@ def _leading_triplet(q: torch.Tensor, v0: torch.Tensor, iters: int) -> tuple[tor
     # Speed (benchmarks/bench_svpn.py): the shared v⁽⁰⁾ makes the first mat-vec one matrix-vector
     # product over all B x m rows; per-matrix mat-vecs are broadcast multiply + sum, because a batched
     # matmul of [B, m, n] by [B, n, 1] is dominated by per-matrix GEMM overhead at MGCrP's small m x n.
-    for step in range(iters):  # every deflation step restarts from v⁽⁰⁾ (Eq. 6)
-        # Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
-        qv = q @ v0 if step == 0 else (q * v.unsqueeze(-2)).sum(-1)
+    qv = q @ v0  # every deflation step restarts from v⁽⁰⁾ (Eq. 6); Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
+    for step in range(iters):
         qv_norm = qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         qt_qv = (q * qv.unsqueeze(-1)).sum(-2)  # Qᵀ Q v⁽ʲ⁾, [B, n]
         qt_qv_norm = qt_qv.norm(dim=-1, keepdim=True)
         lam = qt_qv_norm / qv_norm  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6), without normalising u first
         v = qt_qv / qt_qv_norm.clamp_min(1e-12)
+        if step + 1 < iters:
+            qv = (q * v.unsqueeze(-2)).sum(-1)
     return lam.unsqueeze(-1), (qv / qv_norm).unsqueeze(-1), v.unsqueeze(-2)
 
 

@@ -268,7 +268,7 @@ def source_label(source: ModelSource, tracking_uri: str) -> str:
 
 def record_evaluation(plan: EvaluationPlan, evaluation: Evaluation, log_file: Path | None = None) -> RecordedEvaluation:
     """The evaluation's MLflow run, FINISHED, with everything it found."""
-    provenance, card = plan.source.provenance, plan.source.card
+    provenance = plan.source.provenance
     label = source_label(plan.source, plan.tracking_uri)
     data_name = Path(plan.data.val).name
     suffix = plan.metric_suffix
