@@ -6,16 +6,22 @@ import os
 # exits, after the last test, still prints every thread's stack.
 faulthandler.enable()
 
+import tempfile
+
 # DeepSpeed must pick its CPU accelerator in tests even where a GPU happens to be visible.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# An in-process ray.init (the tests that call a command's main) sets these in this process's
-# environment for the processes Ray starts; a command a later test runs must not inherit them, as a
-# user's shell would not have them (RAY_AUTH_MODE=token, for one, silences Ray's token-auth notice).
-_SET_BY_RAY_INIT = {"RAY_AUTH_MODE", "PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED"} - set(os.environ)
+# What a command the tests start inherits (filled in as the session starts, ``pytest_configure``): the
+# environment pytest started with, as a user's shell has it, never what an in-process command (a
+# command's ``main``, ``ray.init``) has put in this process's since: quiet_environment's settings
+# (RAY_DEDUP_LOGS, TQDM_DISABLE, ...) passed on would hide a command that no longer sets them;
+# RAY_AUTH_MODE=token would silence Ray's token-auth notice.
+STARTING_ENVIRONMENT: dict[str, str] = {}
 
 import contextlib
+import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,18 +133,76 @@ def copy_with_sidecar(beton: Path, directory: Path, chunk_bytes: int | None = No
     return copy
 
 
+def _ports_nothing_takes_unasked() -> Iterator[int]:
+    """Ports below the kernel's ephemeral range (``ip_local_port_range``), which it never assigns on its
+    own (a bind to port 0, an outgoing connection), and above Ray's worker ports (10002-19999), in an
+    order of this process's: each handed out once."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    first_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    ports = list(range(20000, max(first_ephemeral, 20001)))
+    random.Random(os.getpid()).shuffle(ports)
+    return iter(ports)
+
+
+_PORTS = _ports_nothing_takes_unasked()
+
+
 def free_port() -> int:
-    """A loopback port free now: servers of the tests' own never collide with a user's on the defaults."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server a test starts: servers of the tests' own never collide with
+    a user's on the defaults, nor (between this check and the server's own bind) with a port the kernel
+    hands another process, nor with one handed out before in this session."""
+    for port in _PORTS:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port left below the ephemeral range")
 
 
 def vitsweep_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "MLFLOW_")) and k not in _SET_BY_RAY_INIT}
+    env = {k: v for k, v in STARTING_ENVIRONMENT.items() if not k.startswith(("PYTEST_", "MLFLOW_"))}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@contextlib.contextmanager
+def environment_restored() -> Iterator[None]:
+    """``os.environ`` as it was before the block, whatever the block set or removed."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment() -> Iterator[None]:
+    """Each test starts from the environment the last one started from: a command run in-process
+    (``main``) sets library settings in ``os.environ``, which the next in-process command would find set."""
+    with environment_restored():
+        yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config) -> None:
+    """Directories of this session's own. For ``tmp_path``: pytest's default keeps the last three
+    sessions' and deletes older ones, a running session's included when pytests run side by side (a
+    test of ``make test`` starts one). For ``VITSWEEP_CACHE_DIR``: tests never write into the user's
+    ~/.cache/vitsweep (the record of verified datasets, staged copies), nor read what they left there."""
+    if config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix="pytest-vitsweep-")
+    os.environ["VITSWEEP_CACHE_DIR"] = config.session_cache = tempfile.mkdtemp(prefix="vitsweep-tests-cache-")
+    STARTING_ENVIRONMENT.update(os.environ)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session's directories go with a passing session; a failing one's stay for a look."""
+    shutil.rmtree(session.config.session_cache, ignore_errors=True)
+    if exitstatus == 0 and Path(session.config.option.basetemp).name.startswith("pytest-vitsweep-"):
+        shutil.rmtree(session.config.option.basetemp, ignore_errors=True)
 
 
 def train_command(storage: Path, data: dict[str, Path], *overrides: str, config: str = "smoke") -> list[str]:
@@ -193,14 +257,16 @@ def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedP
     return subprocess.run(args, capture_output=True, text=True, env=vitsweep_env(), timeout=timeout)
 
 
-def wait_for(condition, timeout: float, what: str):
-    """Poll ``condition`` until it returns something truthy (returned), or fail naming ``what``."""
+def wait_for(condition, timeout: float, what: str, every: float = 0.5):
+    """Poll ``condition`` every ``every`` s until it returns something truthy (returned), or fail naming
+    ``what``. A moment that lasts a second or two (a process that exists only while Ray starts) needs a
+    short ``every``: on a loaded host a half-second poll can miss it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
@@ -315,19 +381,32 @@ class RunningVitsweep:
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
+        self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
 
     def _collect(self) -> None:
         for line in self.process.stdout:
-            self.lines.append(line)
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+        with self._new_line:
+            self.ended = True
+            self._new_line.notify_all()
+
+    ended = False  # the command closed its output (it ended)
 
     @property
     def output(self) -> str:
         return "".join(self.lines)
 
     def wait_for_line(self, text: str, timeout: float = 300) -> None:
-        wait_for(lambda: any(text in line for line in self.lines), timeout, f"a line with {text!r}")
+        """Returns as the line arrives (woken by the reader, not a poll), else fails naming ``text``."""
+        with self._new_line:
+            if not self._new_line.wait_for(lambda: self.ended or any(text in line for line in self.lines), timeout):
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for a line with {text!r}")
+            if not any(text in line for line in self.lines):
+                raise AssertionError(f"the command ended without a line with {text!r}:\n{self.output[-3000:]}")
 
     def train_workers(self) -> list:
         """This run's Ray Train workers: descendants of the driver (which started Ray in-process)."""

@@ -1,5 +1,6 @@
 """The `vitsweep` command: help, exit codes (0 ok, 2 invalid input, 1 failure), doctor, config."""
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import STARTING_ENVIRONMENT, environment_restored, vitsweep_env
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, EXIT_OK, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,3 +204,22 @@ def _make_test(target: Path) -> subprocess.CompletedProcess:
         ["make", "--no-print-directory", "test", f"PYTEST_ARGS=-p no:cacheprovider {target}"],
         cwd=REPO, capture_output=True, text=True, env=_env(),
     )
+
+
+
+# What quiet_environment sets (pipeline.console): a command run in-process puts them in pytest's os.environ.
+QUIET_SETTINGS = ("RAY_DEDUP_LOGS", "RAY_AIR_NEW_OUTPUT", "RAY_TRAIN_ENABLE_PRINT_PATCH", "TQDM_DISABLE",
+                  "MLFLOW_CONFIGURE_LOGGING", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+
+
+def test_a_command_run_in_process_leaves_nothing_for_later_tests_or_the_commands_they_start(capsys):
+    """The console tests of real runs (test_training, test_tune_e2e) see library noise only where the
+    command itself fails to quiet it: nothing a command run in-process set may reach their commands,
+    nor the next test."""
+    before = {key for key in QUIET_SETTINGS if key in os.environ}
+    with environment_restored():
+        assert main(["train", "--config", "smoke", "--set", "optim.lrr=1"]) == EXIT_INVALID_INPUT  # quiets, refuses
+        assert all(key in os.environ for key in QUIET_SETTINGS)  # the command set them here
+        leaked = {key for key in QUIET_SETTINGS if key in vitsweep_env() and key not in STARTING_ENVIRONMENT}
+        assert not leaked, leaked
+    assert {key for key in QUIET_SETTINGS if key in os.environ} == before

@@ -68,7 +68,7 @@ def test_a_signal_during_start_up_exits_with_its_code_in_one_line_and_leaves_no_
         tmp_path, digits16, signum, exit_code, moment):
     storage, cache = tmp_path / "runs", tmp_path / "cache"  # a cache of its own: the datasets are verified anew
     driver = RunningVitsweep(train_command(storage, digits16, "run.name=early"), env={"VITSWEEP_CACHE_DIR": str(cache)})
-    wait_for(lambda: moment(driver, cache) or driver.process.poll() is not None, 120, moment.__doc__)
+    wait_for(lambda: moment(driver, cache) or driver.process.poll() is not None, 120, moment.__doc__, every=0.02)
     driver.process.send_signal(signum)
     assert driver.finish(timeout=120) == exit_code, driver.output[-3000:]
     name = signal.Signals(signum).name
@@ -82,7 +82,8 @@ def test_a_signal_while_a_sweep_starts_its_ray_exits_with_its_code_and_leaves_no
     cache = tmp_path / "cache"
     sweep = RunningVitsweep(tune_command(tmp_path / "runs", digits16, "lr_wd", "tune.scheduler=fifo"),
                             env={"VITSWEEP_CACHE_DIR": str(cache)})
-    wait_for(lambda: _ray_is_starting(sweep, cache) or sweep.process.poll() is not None, 120, _ray_is_starting.__doc__)
+    wait_for(lambda: _ray_is_starting(sweep, cache) or sweep.process.poll() is not None, 120, _ray_is_starting.__doc__,
+             every=0.02)
     sweep.process.send_signal(signal.SIGTERM)
     assert sweep.finish(timeout=120) == 143, sweep.output[-3000:]
     assert _last_line(sweep.output).startswith("vitsweep tune: interrupted by SIGTERM"), sweep.output[-3000:]
