@@ -373,6 +373,57 @@ def browser(server):
         yield chromium
 
 
+RAY_PROCESSES = ("gcs_server", "raylet", "ray::", "ray-dashboard", "dashboard", "log_monitor")
+
+
+@contextlib.contextmanager
+def processes_started_below(root_pid: int) -> Iterator[set[str]]:
+    """The names of the processes that appear below ``root_pid`` (at any depth) while the block runs,
+    listed every 20 ms: a local Ray's first process (its GCS server) lives for seconds before a refusal
+    could stop it."""
+    import psutil
+
+    def below() -> dict[int, str]:
+        found = {}
+        with contextlib.suppress(psutil.Error):
+            for process in psutil.Process(root_pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    found[process.pid] = process.name()
+        return found
+
+    before, seen, done = set(below()), set(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            seen.update(name for pid, name in below().items() if pid not in before)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join()
+        seen.update(name for pid, name in below().items() if pid not in before)
+
+
+def ray_processes(names: set[str]) -> set[str]:
+    return {name for name in names if name.startswith(RAY_PROCESSES)}
+
+
+def refused_in_process(args: list[str], capsys) -> str:
+    """``vitsweep ARGS`` run in this process (``main``): it must exit 2 having started no Ray process;
+    returns what it printed to stderr."""
+    from pipeline.cli import EXIT_INVALID_INPUT, main
+
+    with processes_started_below(os.getpid()) as started:
+        code = main(args)
+    err = capsys.readouterr().err
+    assert code == EXIT_INVALID_INPUT, err
+    assert not ray_processes(started), f"a refused command started Ray: {sorted(started)}"
+    return err
+
+
 class RunningVitsweep:
     """A `vitsweep` process in the background, its stdout and stderr collected line by line."""
 

@@ -1,76 +1,73 @@
 """Bad input fails before any worker starts with exit 2, writing nothing; a diverging run stops and is
 recorded FAILED."""
+import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import run_vitsweep, train_command
+from conftest import processes_started_below, ray_processes, refused_in_process, run_vitsweep, train_command
 from pipeline.components.checkpointing import weights_only_checkpoint_engine
 
 
-def test_invalid_config_exits_2_before_any_worker_starts(tmp_path, digits16):
-    result = run_vitsweep(train_command(tmp_path / "runs", digits16, "optim.lr=-1"), timeout=120)
-    assert result.returncode == 2 and "optim.lr" in result.stderr
+# Refusals run in this process (a command's main, its exit code and stderr): the subject is the refusal,
+# not the console script, whose own exit is checked by the two subprocess tests below.
+def test_invalid_config_exits_2_before_ray_starts(tmp_path, digits16, capsys):
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "optim.lr=-1")[1:], capsys)
+    assert "optim.lr" in err
     assert not (tmp_path / "runs").exists()
 
 
-def test_unknown_model_override_exits_2_before_any_worker_starts(tmp_path, digits16):
-    result = run_vitsweep(train_command(tmp_path / "runs", digits16, "model.args.qkv=quadratic"), timeout=120)
-    assert result.returncode == 2 and "quadratic" in result.stderr
+def test_unknown_model_override_exits_2_before_ray_starts(tmp_path, digits16, capsys):
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "model.args.qkv=quadratic")[1:], capsys)
+    assert "quadratic" in err
     assert not (tmp_path / "runs").exists()
 
 
-def test_missing_dataset_exits_2_naming_the_path(tmp_path, digits16):
+def test_missing_dataset_exits_2_naming_the_path_before_ray_starts(tmp_path, digits16, capsys):
     data = {**digits16, "train": tmp_path / "nowhere.beton"}
-    result = run_vitsweep(train_command(tmp_path / "runs", data), timeout=120)
-    assert result.returncode == 2 and "nowhere.beton" in result.stderr
+    err = refused_in_process(train_command(tmp_path / "runs", data)[1:], capsys)
+    assert "nowhere.beton" in err
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_storage_path_that_cannot_be_created_exits_2_naming_it_before_ray_starts(tmp_path, digits16):
-    result = run_vitsweep(train_command(Path("/proc/vitsweep-test/runs"), digits16), timeout=120)
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "run.storage_path: '/proc/vitsweep-test/runs' cannot be created" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_bad_input_stops_the_local_ray_that_started_alongside_the_checks(tmp_path, digits16):
-    import ray
-
-    from pipeline.training.driver import train_from_config
-    from pipeline.errors import InvalidInputError
-
-    overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.train={tmp_path / 'nowhere.beton'}",
-                 f"data.val={digits16['val']}", "data.prepare=null"]
-    with pytest.raises(InvalidInputError, match="nowhere.beton"):
-        train_from_config("smoke", overrides, address=None, launched_at=time.time())
-    assert not ray.is_initialized()
-    assert not (tmp_path / "runs").exists()
-
-
-def test_truncated_dataset_exits_2_naming_the_file(tmp_path, digits16):
+def test_truncated_dataset_exits_2_naming_the_file_before_ray_starts(tmp_path, digits16, capsys):
     truncated = tmp_path / "truncated.beton"
     truncated.write_bytes(digits16["train"].read_bytes()[:4096])
     (tmp_path / "truncated.beton.json").write_text(digits16["train"].with_suffix(".beton.json").read_text())
-    result = run_vitsweep(train_command(tmp_path / "runs", {**digits16, "train": truncated}), timeout=120)
-    assert result.returncode == 2 and "truncated.beton" in result.stderr
+    err = refused_in_process(train_command(tmp_path / "runs", {**digits16, "train": truncated})[1:], capsys)
+    assert "truncated.beton" in err
 
 
-def test_unreachable_mlflow_server_is_a_clear_error_not_a_hang(tmp_path, digits16):
-    result = run_vitsweep(
-        train_command(tmp_path / "runs", digits16, "tracking.mlflow_uri=http://127.0.0.1:9"), timeout=120
-    )
-    assert result.returncode == 2 and "http://127.0.0.1:9" in result.stderr and "unreachable" in result.stderr
+def test_unreachable_mlflow_server_is_a_clear_error_not_a_hang(tmp_path, digits16, capsys):
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "tracking.mlflow_uri=http://127.0.0.1:9")[1:],
+                             capsys)
+    assert "http://127.0.0.1:9" in err and "unreachable" in err
 
 
-def test_local_mlflow_store_with_a_ray_client_address_is_rejected(tmp_path, digits16):
-    args = train_command(tmp_path / "runs", digits16) + ["--address", "ray://10.0.0.1:10001"]
-    result = run_vitsweep(args, timeout=120)
-    assert result.returncode == 2 and "cannot reach it" in result.stderr
+def test_local_mlflow_store_with_a_ray_client_address_is_rejected(tmp_path, digits16, capsys):
+    err = refused_in_process(train_command(tmp_path / "runs", digits16)[1:] + ["--address", "ray://10.0.0.1:10001"],
+                             capsys)
+    assert "cannot reach it" in err
+
+
+def test_the_console_script_exits_2_on_a_misspelt_key_with_one_line_and_no_ray(tmp_path, digits16):
+    with processes_started_below(os.getpid()) as started:
+        result = run_vitsweep(train_command(tmp_path / "runs", digits16, "optim.lrr=1e-3"), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "optim.lrr: unknown key (did you mean 'lr'?)" in result.stderr and "Traceback" not in result.stderr
+    assert not ray_processes(started), sorted(started)
+
+
+def test_the_console_script_exits_2_on_a_storage_path_that_cannot_be_created_and_starts_no_ray(tmp_path, digits16):
+    with processes_started_below(os.getpid()) as started:
+        result = run_vitsweep(train_command(Path("/proc/vitsweep-test/runs"), digits16), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "run.storage_path: '/proc/vitsweep-test/runs' cannot be created" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not ray_processes(started), sorted(started)
 
 
 @pytest.mark.slow

@@ -79,6 +79,11 @@ def is_local_store(uri: str) -> bool:
     return uri.startswith(("sqlite:///", "file://")) or "://" not in uri
 
 
+def is_new_local_store(uri: str) -> bool:
+    """A SQLite store whose file does not exist yet: opening it first creates it (``create_sqlite_store``)."""
+    return uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
+
+
 def local_artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store live beside its file; MLflow's default would be ./mlruns in
     whatever directory the process runs from. A server decides for itself (None)."""

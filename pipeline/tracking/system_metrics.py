@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+from pipeline.tracking.connection import is_new_local_store
 
 def monitor_node_system(uri: str, run_id: str, node_id: str, interval_s: float = 10.0) -> NodeSystemMetrics | None:
     """A background monitor logging this node's CPU, memory (and, with NVML, GPU) use into the run's
     System metrics tab until it is finished (or the run ends); ``None`` where the store is a local
     file of another node. Checked before any client exists: opening a client creates a local store."""
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+    if is_new_local_store(uri):
         return None
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
     monitor = NodeSystemMetrics(run_id, sampling_interval=interval_s, node_id=node_id, tracking_uri=uri)

@@ -1,8 +1,8 @@
 """`vitsweep train`'s start-up sequence: check, start or join Ray (``pipeline.ray_connection``), train.
 
-Everything that can be wrong with the input is checked before any worker starts (exit 2, nothing
-written; ``pipeline.training.runs.check_run``). A new local Ray starts *while* those checks run (both mostly
-wait) and is stopped again on bad input; a cluster is joined only after the checks passed.
+Everything that can be wrong with the input is checked before Ray starts (exit 2, nothing written, no
+Ray process; ``pipeline.training.runs.check_run``). Ray then starts (or is joined) while a new MLflow
+store is created, and the run is opened and launched.
 """
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ def train_from_config(config: str | None, overrides: list[str], address: str | N
 def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float | None = None) -> TrainingOutcome:
     """Check everything, start or join Ray, then open the MLflow run and train.
 
-    A new local Ray (no --address, no RAY_ADDRESS) starts in the main thread (~5 s, mostly its own
-    processes on the other core; the processes it starts share the fate of the thread that started
-    them) side by side with the input checks on a daemon thread (~3 s); bad input stops that Ray
-    again. A signal stops everything at once, but for Ray's start, which ends first so that Ray is
-    stopped whole (``start_ray``). A cluster is joined only after the checks passed. The MLflow run
+    The input checks (config, paths, datasets, the model built on the meta device, the MLflow store,
+    a restarted run's checkpoint, the weights it starts from) run first, on a thread of their own so
+    that a signal ends the command at once: bad input starts no Ray process. A new local Ray (no
+    --address, no RAY_ADDRESS) then starts in the main thread (~5 s, mostly its own processes on the
+    other core; the processes it starts share the fate of the thread that started them), side by side
+    with the creation of a new local MLflow store (~4 s of schema migrations). Ray's start is not
+    interrupted in place, but ends first so that Ray is stopped whole (``start_ray``). The MLflow run
     (which may be an earlier run continued) is touched only once every check passed, the cluster's
     resources included, and from then on every ending is recorded in it.
     """
@@ -53,28 +55,18 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     prepare_offline_data(cfg.with_absolute_paths())
 
     def check() -> CheckedRun:
-        # Imported here, on the check thread: these imports (torch, timm, MLflow; seconds on a slow
-        # machine) overlap Ray's start-up in the main thread.
-        from pipeline.training.runs import check_run
+        from pipeline.training.runs import check_run  # torch, timm, MLflow: seconds, on the checks' thread
 
         return check_run(cfg, address)
 
     mlflow_run = None
     try:
-        checking = interrupts.OnThread(check, "vitsweep-checks")
-        if local:
-            try:
-                start_ray(address)
-            except Interrupted:
-                raise  # at once: the checks' thread ends with the process
-            except BaseException:
-                checking.result()  # bad input explains more than a failed Ray start
-                raise
-        run = checking.result()
-        if not local:
-            start_ray(address)
-        from pipeline.training.runs import check_resources, launch, open_mlflow_run, record_interrupt
+        run = interrupts.OnThread(check, "vitsweep-checks").result()
+        from pipeline.training.runs import check_resources, create_store, launch, open_mlflow_run, record_interrupt
 
+        creating = interrupts.OnThread(lambda: create_store(run), "vitsweep-store")
+        start_ray(address)
+        creating.result()
         check_resources(run.cfg, local)
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)

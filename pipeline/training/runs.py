@@ -55,7 +55,8 @@ from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
-from pipeline.tracking.connection import check_logger_can_reach, require_reachable, resolve_tracking_uri
+from pipeline.tracking.connection import (check_logger_can_reach, is_new_local_store, require_reachable,
+                                          resolve_tracking_uri)
 from pipeline.trained.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
 from pipeline.training.worker import WorkerPlan, train_worker
 
@@ -225,10 +226,10 @@ def check_rerun(run_dir: Path, cfg: ExperimentConfig, tracking_uri: str) -> None
 
 
 def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
-    """Everything that can be checked before any worker starts (InvalidInputError / ConfigError).
+    """Everything that can be checked before Ray starts (InvalidInputError / ConfigError).
 
-    Writes nothing but a dataset the config asks to prepare; the MLflow store is only opened
-    (a new local store's schema created) so that opening the run later is quick.
+    Writes nothing but a dataset the config asks to prepare; an MLflow store that exists is opened
+    (one that cannot be is bad input), a new local one is created later (``create_store``).
     """
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
@@ -245,8 +246,15 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
     init = (resolve_initial_weights(cfg.model, data.num_classes, uris.join(storage, run_name), storage, tracking_uri)
             if cfg.model.init_from else None)
-    MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
+    if not is_new_local_store(tracking_uri):
+        MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
     return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri, init)
+
+
+def create_store(run: CheckedRun) -> None:
+    """A new local MLflow store's schema created (~4 s of migrations; nothing for a store that exists),
+    while Ray starts, so that opening the run later is quick."""
+    MlflowStore(run.tracking_uri).find_experiment(run.cfg.tracking.experiment)
 
 
 def check_resources(cfg: ExperimentConfig, local: bool) -> None:
