@@ -92,3 +92,17 @@ def _ray_leaves_signals_to_vitsweep() -> Iterator[None]:
         yield
     finally:
         utils.set_sigterm_handler, ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = installer, failure_handler_off
+
+
+def local_ray_resources(local_cpus: int | None = None) -> dict[str, float]:
+    """What a new local Ray (``start_ray``) will advertise, counted as Ray counts it before it starts:
+    the CPUs (``local_cpus``, else the cores this process may use, a container's quota included) and
+    the GPUs it sees (CUDA_VISIBLE_DEVICES included), so that work too large for it is refused first."""
+    from ray._private.accelerators import get_accelerator_manager_for_resource
+    from ray._private.utils import get_num_cpus
+
+    gpus = get_accelerator_manager_for_resource("GPU")
+    count = gpus.get_current_node_num_accelerators()
+    visible = gpus.get_current_process_visible_accelerator_ids()
+    return {"CPU": float(local_cpus or get_num_cpus()),
+            "GPU": float(count if visible is None else min(count, len(visible)))}

@@ -2,6 +2,7 @@
 recorded FAILED."""
 import os
 import pickle
+import socket
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,22 @@ def test_local_mlflow_store_with_a_ray_client_address_is_rejected(tmp_path, digi
     err = refused_in_process(train_command(tmp_path / "runs", digits16)[1:] + ["--address", "ray://10.0.0.1:10001"],
                              capsys)
     assert "cannot reach it" in err
+
+
+def test_an_address_where_no_cluster_answers_is_refused_before_anything_starts(tmp_path, digits16, capsys):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    err = refused_in_process(train_command(tmp_path / "runs", digits16)[1:] + ["--address", f"127.0.0.1:{port}"],
+                             capsys)
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_more_workers_than_the_local_ray_can_hold_is_refused_before_it_starts(tmp_path, digits16, capsys):
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "scaling.num_workers=64")[1:], capsys)
+    assert f"scaling.num_workers=64 workers need 64 CPUs (the cluster has {os.cpu_count()})" in err
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
 
 
 def test_the_console_script_exits_2_on_a_misspelt_key_with_one_line_and_no_ray(tmp_path, digits16):

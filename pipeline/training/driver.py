@@ -20,7 +20,7 @@ from pipeline.errors import Interrupted
 from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.training.locations import check_can_create, run_directories
 from pipeline.components.lr_scaling import describe_lr
-from pipeline.ray_connection import check_address, ray_address, start_ray
+from pipeline.ray_connection import check_address, local_ray_resources, ray_address, start_ray
 
 if TYPE_CHECKING:
     from pipeline.training.runs import CheckedRun, TrainingOutcome
@@ -36,8 +36,9 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     """Check everything, start or join Ray, then open the MLflow run and train.
 
     The input checks (config, paths, datasets, the model built on the meta device, the MLflow store,
-    a restarted run's checkpoint, the weights it starts from) run first, on a thread of their own so
-    that a signal ends the command at once: bad input starts no Ray process. A new local Ray (no
+    a restarted run's checkpoint, the weights it starts from, whether the workers fit a local Ray) run
+    first, the slow ones on a thread of their own so that a signal ends the command at once: bad input
+    starts no Ray process. A new local Ray (no
     --address, no RAY_ADDRESS) then starts in the main thread (~5 s, mostly its own processes on the
     other core; the processes it starts share the fate of the thread that started them), side by side
     with the creation of a new local MLflow store (~4 s of schema migrations). Ray's start is not
@@ -64,10 +65,13 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         run = interrupts.OnThread(check, "vitsweep-checks").result()
         from pipeline.training.runs import check_resources, create_store, launch, open_mlflow_run, record_interrupt
 
+        if local:
+            check_resources(run.cfg, local, local_ray_resources())
         creating = interrupts.OnThread(lambda: create_store(run), "vitsweep-store")
         start_ray(address)
         creating.result()
-        check_resources(run.cfg, local)
+        if not local:
+            check_resources(run.cfg, local, ray.cluster_resources())
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)
         console.line(f"training {run.run_name}: library output in {console.log_path}")

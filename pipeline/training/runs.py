@@ -28,7 +28,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import ray
 import yaml
 from mlflow.exceptions import MlflowException
 from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
@@ -257,13 +256,13 @@ def create_store(run: CheckedRun) -> None:
     MlflowStore(run.tracking_uri).find_experiment(run.cfg.tracking.experiment)
 
 
-def check_resources(cfg: ExperimentConfig, local: bool) -> None:
-    """The workers must fit the Ray cluster: a local Ray that is too small is bad input; a cluster
-    may grow (autoscaler), so the wait for it is announced and bounded by Ray Train's start timeout."""
+def check_resources(cfg: ExperimentConfig, local: bool, have: dict[str, float]) -> None:
+    """The workers must fit the Ray cluster, which has ``have``: a local Ray that is too small is bad
+    input (checked before it starts, ``local_ray_resources``); a cluster may grow (autoscaler), so the
+    wait for it is announced and bounded by Ray Train's start timeout."""
     scaling = cfg.scaling
     need = {"CPU": scaling.num_workers * scaling.cpus_per_worker,
             "GPU": scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0.0}
-    have = ray.cluster_resources()
     short = {kind: (amount, have.get(kind, 0.0)) for kind, amount in need.items() if amount > have.get(kind, 0.0)}
     if not short:
         return
