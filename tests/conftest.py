@@ -229,6 +229,40 @@ def tune_command(storage, data, space, *overrides) -> list[str]:
     for override in overrides:
         args += ["--set", override]
     return args
+# ZeRO-3 keeps whole on every rank each parameter of up to 1e5 elements (DeepSpeed's
+# stage3_param_persistence_threshold): all of the smoke model's (at most 73,728). MLP ratio 8 makes each
+# block's two MLP weights 131,072 elements: each rank holds half of each, and the final weights need both halves.
+ZERO3_SPLIT = ("deepspeed.zero_stage=3", "model.args.mlp_ratio=8")
+# DeiT's hard-label distillation from a small saved teacher (``teacher_checkpoint``).
+DISTILLED = ("distill.teacher=xcit_nano_12_p8", "distill.teacher_args={img_size: 16, depth: 1}")
+
+
+@pytest.fixture(scope="session")
+def teacher_checkpoint(tmp_path_factory) -> Path:
+    """A one-block XCiT-N12 teacher for ``digits16``'s 10 classes, its weights as safetensors."""
+    import timm
+    from safetensors.torch import save_model
+
+    import models  # noqa: F401  (registers vitsweep's variants)
+
+    teacher = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=1)
+    path = tmp_path_factory.mktemp("teacher") / "teacher.safetensors"
+    save_model(teacher, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, digits16, teacher_checkpoint):
+    """One finished run several modules read: one epoch under ZeRO-3 (``ZERO3_SPLIT``), distilled from
+    ``teacher_checkpoint``, with --verbose. (storage, its command, its result.)"""
+    storage = tmp_path_factory.mktemp("finished") / "runs"
+    args = train_command(storage, digits16, "run.name=done", *ZERO3_SPLIT, *DISTILLED,
+                         f"distill.teacher_checkpoint={teacher_checkpoint}") + ["--verbose"]
+    result = run_vitsweep(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return storage, args, result
+
+
 def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[str, float]) -> None:
     """``model`` (a run's final weights), evaluated as the run's workers evaluate (the config's val loader
     and precision, BatchNorm in fp32 with exact running statistics), scores the run's final metrics."""

@@ -1,7 +1,8 @@
 """Faults injected into real runs: whatever ends a run, its MLflow status says so with a one-line
 reason, the console's last line says what happened, and nothing half-written is left to resume from.
-The finished run a refused re-run must leave alone is a ZeRO-3 run with --verbose: its final weights,
-gathered from both ranks, and its console are checked here too."""
+The finished run a refused re-run must leave alone is the suite's ZeRO-3 run with --verbose
+(``finished_run``, conftest): its final weights, gathered from both ranks, and its console are checked
+here too."""
 import re
 import shutil
 import signal
@@ -13,7 +14,8 @@ from mlflow.tracking import MlflowClient
 from ray.train import Result
 from safetensors.torch import load_model
 
-from conftest import RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command, wait_for
+from conftest import (ZERO3_SPLIT, RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep, train_command,
+                      wait_for)
 from pipeline.components.checkpointing import read_meta
 from pipeline.config.loading import load_config
 from pipeline.components.modeling import build_model
@@ -103,22 +105,6 @@ def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp
     assert re.match(f"vitsweep train: {reason}", _last_line(driver.output)), driver.output[-3000:]
     (run,) = _runs(storage)
     assert run.info.status == "FAILED" and re.match(reason, run.data.tags["stop_reason"])
-
-
-# ZeRO-3 keeps whole on every rank each parameter of up to 1e5 elements (DeepSpeed's
-# stage3_param_persistence_threshold): all of the smoke model's (at most 73,728). MLP ratio 8 makes each
-# block's two MLP weights 131,072 elements: each rank holds half of each, and the final weights need both halves.
-ZERO3_SPLIT = ("deepspeed.zero_stage=3", "model.args.mlp_ratio=8")
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, digits16):
-    """A one-epoch run under ZeRO-3, with --verbose."""
-    storage = tmp_path_factory.mktemp("finished") / "runs"
-    args = train_command(storage, digits16, "run.name=done", *ZERO3_SPLIT) + ["--verbose"]
-    result = run_vitsweep(args)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return storage, args, result
 
 
 def test_zero3_final_weights_gathered_from_both_ranks_score_the_runs_val_top1(finished_run, digits16):
