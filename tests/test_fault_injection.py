@@ -124,12 +124,11 @@ def test_verbose_shows_the_library_output_on_the_console_too(finished_run):
     assert "epoch 1/1  train_loss" in result.stdout  # vitsweep's own lines as ever
 
 
-def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(finished_run):
+def test_a_jobs_api_address_is_refused_before_an_earlier_finished_run_is_touched(finished_run, capsys):
     storage, args, _ = finished_run
     (before,) = _runs(storage)
 
-    result = run_vitsweep(args + ["--address", "http://127.0.0.1:8265"], timeout=120)
-    assert result.returncode == 2 and "Ray Jobs API address" in result.stderr
+    assert "Ray Jobs API address" in refused_in_process(args[1:] + ["--address", "http://127.0.0.1:8265"], capsys)
     (after,) = _runs(storage)
     assert after.info.status == "FINISHED" and after.info.end_time == before.info.end_time
     assert after.data.tags == before.data.tags

@@ -1,4 +1,5 @@
 """`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
+import os
 import re
 from pathlib import Path
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_scores_the_runs_metrics, run_vitsweep, train_command
+from conftest import (assert_scores_the_runs_metrics, processes_started_below, ray_processes, refused_in_process,
+                      run_vitsweep, train_command)
+from pipeline.cli import EXIT_OK, main
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
 from pipeline.trained.model_source import resolve_model_source
@@ -84,24 +87,25 @@ def test_the_console_carries_only_vitsweeps_own_lines_and_the_log_file_the_rest(
 
 # A command asked again is answered from the run's record, whichever engine trained it: one run each (~20 s a command).
 @pytest.mark.parametrize("two_epoch_run", [ZERO1_BF16], indirect=True)
-def test_a_finished_run_asked_for_again_is_not_retrained(two_epoch_run):
+def test_a_finished_run_asked_for_again_is_not_retrained(two_epoch_run, capsys):
     storage, first = two_epoch_run
-    again = run_vitsweep(first.args, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "already finished with this config" in again.stdout and str(storage / "e2e") in again.stdout
+    with processes_started_below(os.getpid()) as started:
+        assert main(first.args[1:]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "already finished with this config" in out and str(storage / "e2e") in out
+    assert not ray_processes(started), sorted(started)
     client, run = _only_run(storage)
     assert len(client.get_metric_history(run.info.run_id, "val_top1")) == 2  # nothing trained again
     assert len(run.outputs.model_outputs) == 1
 
 
 @pytest.mark.parametrize("two_epoch_run", [ZERO2_FP32_EMA], indirect=True)
-def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run, request):
+def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys(two_epoch_run, request, capsys):
     storage, first = two_epoch_run
     key, rate = _rate_given(request)
-    result = run_vitsweep([*first.args, "--set", f"{key}={rate * 2}", "--set", "model.args.depth=3"], timeout=300)
-    assert result.returncode == 2
-    assert "was trained with another config: " in result.stderr
-    assert f"{key}: {rate} -> {rate * 2}" in result.stderr and "model.args.depth: 2 -> 3" in result.stderr
+    err = refused_in_process([*first.args[1:], "--set", f"{key}={rate * 2}", "--set", "model.args.depth=3"], capsys)
+    assert "was trained with another config: " in err
+    assert f"{key}: {rate} -> {rate * 2}" in err and "model.args.depth: 2 -> 3" in err
     _, run = _only_run(storage)
     assert run.data.params[key] == str(rate) and run.info.status == "FINISHED"
 
