@@ -12,7 +12,8 @@ from timm.data import auto_augment
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from pipeline.config.schema import AugmentConfig, DataConfig
-from pipeline.data.augment import BatchAugment, RandAugment
+from pipeline.data.augment import BatchAugment
+from pipeline.data.rand_augment_operation import RandAugment
 from pipeline.data.loaders import NormalizeToFloat, build_train_loader, train_pipelines
 from pipeline.data.rand_augment import OPS, BatchRandAugment, Draws, parse_policy, timm_hparams
 from pipeline.data.sources import DigitsSource

@@ -10,7 +10,8 @@ One concern per module:
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
 - ``ranged_copy`` ``copy_verified_ranges``: parallel ranged reads, each chunk verified as it lands
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
-- ``augment``   DeiT's recipe: RandAugment in the FFCV pipeline, ``BatchAugment`` on the device
+- ``augment``   DeiT's recipe on the device: ``BatchAugment`` (random erasing, Mixup/CutMix), no FFCV
+- ``rand_augment_operation`` RandAugment as an FFCV pipeline operation
 - ``rand_augment`` timm's RandAugment batched on torch ops (per-sample ops and magnitudes)
 - ``prepare``   ``prepare_digits``: the offline dataset of the demo and the tests
 - ``runtime``   containing ffcv's process-wide side effects (torch thread count, finalizer noise)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config.schema import DataConfig
-from pipeline.data.augment import RandAugment
+from pipeline.data.rand_augment_operation import RandAugment
 from pipeline.data.integrity import check_beton
 from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads, stopped_at_exit
 from pipeline.errors import InvalidInputError
