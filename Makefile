@@ -9,7 +9,8 @@ STAMP := $(VENV)/.vitsweep-setup
 SYSTEM_PACKAGES := pkg-config g++ libturbojpeg0-dev libopencv-dev
 BROWSER_PACKAGES := chromium chromium-driver
 
-.PHONY: setup demo test mutation mutation-module ui-screenshots system-packages browser-packages deepspeed-cpu-ops
+.PHONY: setup demo test mutation mutation-module ui-screenshots system-packages browser-packages deepspeed-cpu-ops \
+	gpu-check-wheels
 .DEFAULT_GOAL := test
 
 setup: $(STAMP) deepspeed-cpu-ops
@@ -83,3 +84,24 @@ mutation-module:
 # The README's MLflow UI screenshots (tests/ui_screenshots/), as the browser check takes them.
 ui-screenshots: setup browser-packages
 	VITSWEEP_UI_SCREENSHOTS=$(CURDIR)/tests/ui_screenshots $(BIN)/python -m pytest -q tests/test_mlflow_ui.py
+
+# What benchmarks/gpu_check.py needs on the lent GPU machine beyond its image (Python 3.12, torch, timm,
+# numba, numpy, pillow; no package registry): DeepSpeed, built here from its sdist without ops (they
+# compile just in time there), and its and vitsweep's other dependencies as CPython 3.12 manylinux or
+# pure wheels, at constraints.txt's versions. They travel with the working tree (the device tool's
+# `carry`); benchmarks/gpu_check.sh installs them there. tests/test_gpu_check.py checks their size.
+GPU_CHECK_WHEELS := .whl/gpu-check
+GPU_CHECK_PACKAGES := hjson msgpack ninja packaging psutil py-cpuinfo pydantic pydantic_core annotated-types \
+	typing_extensions typing-inspection tqdm einops PyYAML
+gpu-check-wheels: $(GPU_CHECK_WHEELS)/.complete
+
+$(GPU_CHECK_WHEELS)/.complete: constraints.txt | $(STAMP)
+	rm -rf $(GPU_CHECK_WHEELS) && mkdir -p $(GPU_CHECK_WHEELS)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -c constraints.txt -d $(GPU_CHECK_WHEELS) $(GPU_CHECK_PACKAGES)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation --no-binary deepspeed \
+	  -c constraints.txt -w $(GPU_CHECK_WHEELS) deepspeed
+	@touch $@
+	@du -sh $(GPU_CHECK_WHEELS)
+
