@@ -29,6 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import init_single_process_group, synchronize  # noqa: E402  (its sibling, the same helpers)
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "cluster" / "jobs" / "a100_8x8.yaml"
 NUM_CLASSES = 1000  # ImageNet's head on both sides
@@ -43,15 +46,6 @@ def refuse_without_gpu() -> str:
     except GpuUnavailableError as err:
         print(f"no GPU: run on a GPU node ({err})", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def init_single_process_group(backend: str) -> None:
-    import torch.distributed as dist
-
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561", "RANK": "0", "LOCAL_RANK": "0",
-                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(name, value)
-    dist.init_process_group(backend, rank=0, world_size=1)
 
 
 def write_dataset(workdir: Path, images: int, side: int) -> Path:
@@ -105,13 +99,6 @@ class BusySampler:
     @property
     def busy(self) -> float | None:
         return statistics.mean(self.samples) if self.samples else None
-
-
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def vitsweep_images_per_sec(args, model: str, beton: Path, device, storage: Path) -> tuple[float, float | None]:
