@@ -12,12 +12,13 @@ import tempfile
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Tests never write into a user's MLflow server.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# What a command the tests start inherits (filled in as the session starts, ``pytest_configure``): the
-# environment pytest started with, as a user's shell has it, never what an in-process command (a
-# command's ``main``, ``ray.init``) has put in this process's since: quiet_environment's settings
-# (RAY_DEDUP_LOGS, TQDM_DISABLE, ...) passed on would hide a command that no longer sets them;
+# What a command the tests start inherits: the environment this process started with (pytest's, with
+# the session's cache directory, ``pytest_configure``; a process a test spawns, such as a simulated
+# cluster's, starts with what the test gave it), as a user's shell has it, never what an in-process
+# command (a command's ``main``, ``ray.init``) has put in this process's since: quiet_environment's
+# settings (RAY_DEDUP_LOGS, TQDM_DISABLE, ...) passed on would hide a command that no longer sets them;
 # RAY_AUTH_MODE=token would silence Ray's token-auth notice.
-STARTING_ENVIRONMENT: dict[str, str] = {}
+STARTING_ENVIRONMENT: dict[str, str] = dict(os.environ)
 
 import contextlib
 import random
