@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -38,6 +39,30 @@ def commands(storage: str, data: dict[str, str], space: str) -> dict[str, list[s
                                                     "--set", f"run.storage_path={storage}"],
         "valid input, to its `training` line": train,
     }
+
+
+@contextlib.contextmanager
+def checked_out(commit: str, where: Path) -> Iterator[Path]:
+    """``commit`` checked out at ``where`` (a detached git worktree of this repository), removed after."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], cwd=REPO, check=True, capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=REPO, capture_output=True)
+
+
+@contextlib.contextmanager
+def trees_and_digits(commit: str) -> Iterator[tuple[str, dict[str, Path], dict[str, str]]]:
+    """(a scratch directory, the trees by name: this one and ``commit`` checked out, the smoke preset's
+    digits written there as {"train", "val"} paths)."""
+    from pipeline.config.loading import load_config
+    from pipeline.data.prepare import prepare_digits
+
+    with tempfile.TemporaryDirectory() as scratch, checked_out(commit, Path(scratch) / "earlier") as earlier:
+        cfg = load_config("smoke")
+        data = {"train": f"{scratch}/data/train.beton", "val": f"{scratch}/data/val.beton"}
+        prepare_digits(cfg.data.model_copy(update=data), cfg.model.img_size)
+        yield scratch, {"this tree": REPO, commit: earlier}, data
 
 
 def run(tree: Path, args: list[str], until: str | None) -> tuple[float, int, int]:
@@ -77,29 +102,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from pipeline.config.loading import load_config
-    from pipeline.data.prepare import prepare_digits
-
-    with tempfile.TemporaryDirectory() as scratch:
-        earlier = Path(scratch) / "earlier"
-        subprocess.run(["git", "worktree", "add", "--detach", str(earlier), args.against], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
-            cfg = load_config("smoke")
-            data = {"train": f"{scratch}/data/train.beton", "val": f"{scratch}/data/val.beton"}
-            prepare_digits(cfg.data.model_copy(update=data), cfg.model.img_size)
-            (Path(scratch) / "space.yaml").write_text(NO_VALID_TRIAL)
-            trees = {"this tree": REPO, f"{args.against}": earlier}
-            rows: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
-            for repeat in range(args.repeats):
-                for tree_name, tree in trees.items():
-                    storage = f"{scratch}/runs-{repeat}-{tree_name.replace(' ', '-').replace('~', '-')}"
-                    for name, command in commands(storage, data, f"{scratch}/space.yaml").items():
-                        until = "training " if name.startswith("valid") else None
-                        rows.setdefault((name, tree_name), []).append(run(tree, command, until))
-                        print(f"{repeat} {tree_name:>12} {name}: {rows[(name, tree_name)][-1]}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(earlier)], cwd=REPO, capture_output=True)
+    with trees_and_digits(args.against) as (scratch, trees, data):
+        (Path(scratch) / "space.yaml").write_text(NO_VALID_TRIAL)
+        rows: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
+        for repeat in range(args.repeats):
+            for tree_name, tree in trees.items():
+                storage = f"{scratch}/runs-{repeat}-{tree_name.replace(' ', '-').replace('~', '-')}"
+                for name, command in commands(storage, data, f"{scratch}/space.yaml").items():
+                    until = "training " if name.startswith("valid") else None
+                    rows.setdefault((name, tree_name), []).append(run(tree, command, until))
+                    print(f"{repeat} {tree_name:>12} {name}: {rows[(name, tree_name)][-1]}", flush=True)
 
     print(f"\n`python -m pipeline ...`, {args.repeats} runs each, alternating trees; median seconds (exit code, "
           "Ray processes seen)\n")

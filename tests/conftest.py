@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -426,20 +426,28 @@ def processes_started_below(root_pid: int) -> Iterator[set[str]]:
                     found[process.pid] = process.name()
         return found
 
-    before, seen, done = set(below()), set(), threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.02):
-            seen.update(name for pid, name in below().items() if pid not in before)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    before, seen = set(below()), set()
+    with sampled_every(0.02, lambda: seen.update(name for pid, name in below().items() if pid not in before)):
         yield seen
+
+
+@contextlib.contextmanager
+def sampled_every(every: float, sample: Callable[[], None]) -> Iterator[None]:
+    """``sample()`` on a thread every ``every`` s while the block runs, and once more as it ends."""
+    done = threading.Event()
+
+    def keep_sampling() -> None:
+        while not done.wait(every):
+            sample()
+
+    sampler = threading.Thread(target=keep_sampling, daemon=True)
+    sampler.start()
+    try:
+        yield
     finally:
         done.set()
-        watcher.join()
-        seen.update(name for pid, name in below().items() if pid not in before)
+        sampler.join()
+        sample()
 
 
 def ray_processes(names: set[str]) -> set[str]:
@@ -467,6 +475,7 @@ class RunningVitsweep:
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**vitsweep_env(), **(env or {}), PROCESS_MARK: self.mark})
         self.lines: list[str] = []
+        self.arrivals: list[float] = []  # when each line arrived (time.monotonic())
         self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
@@ -475,6 +484,7 @@ class RunningVitsweep:
         for line in self.process.stdout:
             with self._new_line:
                 self.lines.append(line)
+                self.arrivals.append(time.monotonic())
                 self._new_line.notify_all()
         with self._new_line:
             self.ended = True

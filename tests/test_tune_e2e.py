@@ -1,5 +1,6 @@
 """`vitsweep tune` end to end on 2 cores: ASHA stops a bad trial, a diverging trial fails alone, a killed
 sweep resumes without re-running finished trials, and MLflow holds one parent with a child per trial."""
+import contextlib
 import csv
 import io
 import json
@@ -8,16 +9,19 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_model
 
-from conftest import (TWO_TRIALS_AT_ONCE, VITSWEEP, assert_scores_the_runs_metrics, run_vitsweep, tune_command,
-                      vitsweep_env)
+from conftest import (TWO_TRIALS_AT_ONCE, VITSWEEP, RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep,
+                      sampled_every, tune_command, vitsweep_env)
 from pipeline.config.loading import load_config
 from pipeline.components.modeling import build_model
+from pipeline.sweeps.runner import TRIAL_RUNS_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -42,28 +46,67 @@ def _lr(run) -> float:
 # A 4-trial grid under ASHA
 # --------------------------------------------------------------------------------------------------
 
+@dataclass
+class Lifetime:
+    """A process as a sampler saw it: the titles it had (Ray retitles a worker as it takes an actor or
+    a task), and when it was first and last seen alive."""
+    titles: set[str]
+    first: float
+    last: float
+
+    def was(self, title: str) -> bool:
+        return any(seen.startswith(title) for seen in self.titles)
+
+
+@contextlib.contextmanager
+def lifetimes_below(root_pid: int, every: float = 0.05) -> Iterator[dict[int, Lifetime]]:
+    """Every Ray process below ``root_pid`` (a local Ray's are all below its driver), by pid, sampled
+    every ``every`` s while the block runs."""
+    seen: dict[int, Lifetime] = {}
+
+    def sample() -> None:
+        with contextlib.suppress(psutil.Error):
+            for process in psutil.Process(root_pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if process.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    now, title = time.monotonic(), " ".join(process.cmdline())
+                    if process.pid in seen:
+                        seen[process.pid].last = now
+                        seen[process.pid].titles.add(title)
+                    elif title.startswith("ray::"):
+                        seen[process.pid] = Lifetime({title}, now, now)
+
+    with sampled_every(every, sample):
+        yield seen
+
+
 @pytest.fixture(scope="module")
 def asha_sweep(tmp_path_factory, digits16):
+    """The sweep's storage, its console (stdout and stderr as one, each line's arrival time in
+    ``arrivals``) and the Ray processes it started, by pid."""
     storage = tmp_path_factory.mktemp("asha")
     space = storage / "lr.yaml"
     # The rate per 512 images (DeiT's convention), which each trial scales to its global batch of 1 worker x 32:
-    # 2e-3, 1.5e-3, 1e-3, and a far too small 1e-7, below the others' median at the first rung.
+    # 2e-3, a far too small 1e-7 (below the first trial's result at the first rung), then 1e-3. One trial
+    # at a time (a worker's CPU and the trial function's): the stopped trial is always followed by another.
     space.write_text("fixed:\n  optim.lr: null\n"
-                     "params:\n  optim.lr_per_512: {values: [3.2e-2, 2.4e-2, 1.6e-2, 1.6e-6]}\n")
-    result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
-                                       "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2",
-                                       *TWO_TRIALS_AT_ONCE),
-                          timeout=1500)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+                     "params:\n  optim.lr_per_512: {values: [3.2e-2, 1.6e-6, 1.6e-2]}\n")
+    sweep = RunningVitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
+                                         "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"))
+    with lifetimes_below(sweep.process.pid) as processes:
+        returncode = sweep.finish(timeout=1500)
+    assert returncode == 0, sweep.output[-8000:]
     # no trial may fail here: each test below would only see its missing records, not why
     errors = {trial_id: run.data.tags["stop_reason"] for trial_id, run in _runs(storage)[2].items()
               if run.data.tags["stop_reason"].startswith("error")}
     assert not errors, errors
-    return storage, result
+    result = subprocess.CompletedProcess(sweep.process.args, returncode, stdout=sweep.output, stderr="")
+    return storage, result, sweep, processes
 
 
 def test_sweep_prints_every_trial_in_its_results_table(asha_sweep):
-    storage, result = asha_sweep
+    storage, result, _, _ = asha_sweep
     _, _, children = _runs(storage)
     assert "sweep asha (finished)" in result.stdout
     # ASHA may stop every trial but one (each is judged against those that reached its rung first)
@@ -81,7 +124,7 @@ SWEEP_NOISE = ("TrainingReport(", "Checkpoint successfully created", "built succ
 
 
 def test_the_sweeps_console_is_its_own_table_without_library_noise(asha_sweep):
-    storage, result = asha_sweep
+    storage, result, _, _ = asha_sweep
     console = result.stdout + result.stderr
     assert not [noise for noise in SWEEP_NOISE if noise in console], console[-4000:]
     assert re.search(r"^trial \w+ \(lr_per_512=0\.032\): epoch 1/3  val_top1 [\d.]+$", result.stdout, re.M)
@@ -100,7 +143,7 @@ def test_each_trial_carries_its_knobs_as_short_params_and_the_sweep_a_saved_view
 
 
 def test_a_sweep_over_the_per_batch_rate_records_it_and_the_rate_each_trial_trained_at(asha_sweep):
-    storage, result = asha_sweep
+    storage, result, _, _ = asha_sweep
     _, _, children = _runs(storage)
     for run in children.values():
         knob = json.loads(run.data.tags["knobs"])["optim.lr_per_512"]
@@ -114,9 +157,36 @@ def test_a_sweep_over_the_per_batch_rate_records_it_and_the_rate_each_trial_trai
 
 def test_mlflow_holds_one_parent_run_and_a_nested_child_per_trial(asha_sweep):
     _, parents, children = _runs(asha_sweep[0])
-    assert len(parents) == 1 and len(children) == 4
+    assert len(parents) == 1 and len(children) == 3
     assert {r.data.tags["mlflow.parentRunId"] for r in children.values()} == {parents[0].info.run_id}
-    assert sorted(_lr(r) for r in children.values()) == [1e-7, 1e-3, 1.5e-3, 2e-3]  # as MLflow records them
+    assert sorted(_lr(r) for r in children.values()) == [1e-7, 1e-3, 2e-3]  # as MLflow records them
+
+
+def test_the_stopped_trials_process_takes_the_next_trial_once_the_stopped_trials_workers_are_gone(asha_sweep):
+    _, _, sweep, processes = asha_sweep
+    lines = list(zip(sweep.arrivals, sweep.lines))
+    (stopped,) = [at for at, line in lines if re.search(r"\(lr_per_512=1\.6e-06\): stopped early after epoch 1$", line)]
+    (next_started,) = [at for at, line in lines if re.search(r"\(lr_per_512=0\.016\): started$", line)]
+    assert stopped < next_started
+    functions = [p for p in processes.values() if p.was("ray::ImplicitFunc")]
+    assert len(functions) == 1, functions  # Tune reused the first trial's process for the other two
+    workers = [p for p in processes.values() if p.was("ray::RayTrainWorker")]
+    assert len(workers) == 3, workers  # one per trial
+    assert [w for w in workers if w.first <= next_started <= w.last] == []  # the stopped trial's had ended
+
+
+def test_each_trials_checkpoints_are_its_own_runs_epochs(asha_sweep):
+    storage = asha_sweep[0]
+    client, _, children = _runs(storage)
+    for trial_id, run in children.items():
+        directory = storage / "asha" / TRIAL_RUNS_DIR / trial_id
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_top1")}
+        snapshot = json.loads((directory / "checkpoint_manager_snapshot.json").read_text())
+        reported = {r["metrics"]["epoch"]: r["metrics"]["val_top1"] for r in snapshot["checkpoint_results"]}
+        assert reported and reported == {epoch: history[epoch] for epoch in reported}, trial_id
+        assert all((directory / r["checkpoint_dir_name"]).is_dir() for r in snapshot["checkpoint_results"])
+        if run.data.tags["stop_reason"] == "completed":  # its final model was logged from its own directory
+            assert json.loads((directory / "mlflow_run.json").read_text())["run_id"] == run.info.run_id
 
 
 def test_asha_stops_the_clearly_worse_trial_early_and_records_it_as_such(asha_sweep):
@@ -124,7 +194,8 @@ def test_asha_stops_the_clearly_worse_trial_early_and_records_it_as_such(asha_sw
     (bad,) = [r for r in children.values() if _lr(r) == 1e-7]
     assert bad.data.tags["stop_reason"].startswith("early_stopped: ASHA stopped it after epoch 1 of 3")
     assert bad.info.status == "FINISHED"  # stopped by the scheduler, not a failure
-    assert len(client.get_metric_history(bad.info.run_id, "val_top1")) < 3
+    # Its run was aborted as Tune stopped it: no epoch trained (and logged) after the stop.
+    assert [m.step for m in client.get_metric_history(bad.info.run_id, "val_top1")] == [1]
 
 
 def test_each_child_carries_a_training_runs_record_and_its_trial_id(asha_sweep):

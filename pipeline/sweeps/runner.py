@@ -209,6 +209,9 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
             metric=cfg.tune.metric, mode=cfg.tune.mode, search_alg=search_alg, scheduler=_scheduler(cfg),
             num_samples=num_samples, max_concurrent_trials=max_concurrent,
             trial_name_creator=trial_name, trial_dirname_creator=trial_name,
+            # A trial's process takes the next trial (its imports done): a stopped trial's function ends
+            # promptly (pipeline.sweeps.trial_stop), which is what reuse waits for.
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(
             name=sweep.name, storage_path=sweep.root, verbose=0,  # the sweep prints its own table

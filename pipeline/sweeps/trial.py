@@ -25,6 +25,7 @@ from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import open_child_run
+from pipeline.sweeps.trial_stop import TrialStopWatch
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
 
 
@@ -79,6 +80,13 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
                                 trial_run_name(trial_id, knobs), knobs)
     open_mlflow_run(run, mlflow_run, source=f"{plan.source} (trial {trial_id})")
     mlflow_run.log_params(knob_params(knobs))
-    trainer = build_trainer(run, mlflow_run, launched_at, callbacks=(SweepReportCallback(),), announce=False)
-    # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
-    fit_and_record(trainer, run, mlflow_run, record_failure=False)
+    with TrialStopWatch() as stop:
+        trainer = build_trainer(run, mlflow_run, launched_at, callbacks=(SweepReportCallback(), stop.callback),
+                                announce=False)
+        # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
+        try:
+            fit_and_record(trainer, run, mlflow_run, record_failure=False)
+        except Exception:
+            if not stop.requested:
+                raise
+            # Tune stopped the trial and its run was aborted: the function ends so its process takes the next.
