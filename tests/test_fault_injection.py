@@ -2,14 +2,19 @@
 reason, the console's last line says what happened, and nothing half-written is left to resume from.
 The finished run a refused re-run must leave alone is the suite's ZeRO-3 run with --verbose
 (``finished_run``, conftest): its final weights, gathered from both ranks, and its console are checked
-here too."""
+here too. A killed worker and then a killed driver share one run (``killed_and_rerun``): the group
+restarts from its checkpoint, then the driver's re-run continues the same MLflow run."""
+import json
 import re
 import shutil
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from ray.train import Result
 from safetensors.torch import load_model
@@ -157,25 +162,56 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
     assert unregistered_checkpoints(storage / "full") == []
 
 
+@dataclass(frozen=True)
+class KilledAndRerun:
+    storage: Path
+    first_output: str  # the killed command's console
+    killed_worker: int  # its pid
+    epochs_before: list[int]  # the val_top1 steps MLflow held when the driver was killed
+    killed: Run  # the MLflow run as the kill left it
+    damaged: Path  # the newest registered checkpoint, truncated
+    resume_epoch: int  # the epoch after the newest intact registered checkpoint's, counted from 1
+    orphan: Path
+    rerun: subprocess.CompletedProcess
+
+    def resumed_at(self) -> list[tuple[int, float]]:
+        (run,) = _runs(self.storage)
+        history = MlflowClient(f"sqlite:///{self.storage}/mlflow.db").get_metric_history(run.info.run_id,
+                                                                                       "resumed_at_epoch")
+        return [(m.step, m.value) for m in sorted(history, key=lambda m: m.timestamp)]
+
+
 @pytest.fixture(scope="module")
-def killed_and_rerun(tmp_path_factory, digits16):
-    """A run whose driver was SIGKILLed after two epochs, its newest checkpoint then truncated (as a write
-    cut short leaves it) and an unregistered checkpoint directory added (as a kill mid-report leaves one),
-    then the same command again. (storage, the re-run's result, the epoch of the damaged checkpoint, the
-    orphan's path, the MLflow run as the kill left it.)"""
+def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
+    """One run through the faults that end a worker and then its driver: a worker SIGKILLed once the
+    first epoch's checkpoint was registered (the group restarts from it, ``run.max_failures=2``), then,
+    after the third epoch, the driver SIGKILLed, its newest checkpoint truncated (as a write cut short
+    leaves it) and an unregistered checkpoint directory added (as a kill mid-report leaves one), then the
+    same command again. Checkpoints are kept by ``run.checkpoint_score=lr``: the two best by the learning
+    rate, which the cosine schedule lowers every epoch (the oldest), and the latest."""
     storage = tmp_path_factory.mktemp("killed") / "runs"
-    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4")
+    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4", "run.max_failures=2",
+                         "run.checkpoint_every=1", "run.num_to_keep=2", "run.checkpoint_score=lr")
     driver = RunningVitsweep(args)
-    driver.wait_for_line("epoch 2/4  train_loss")  # two checkpoints registered
+    # The controller prints this once Ray has registered the checkpoint, so the restart must load it
+    # (a checkpoint directory alone may not be registered yet, and the group would restart afresh).
+    driver.wait_for_line("(checkpoint saved)")
+    victim = wait_for(driver.train_workers, 60, "the training workers")[-1]
+    victim.kill()
+    driver.wait_for_line("(resumed from a checkpoint)")  # the restarted group's first epoch, checkpointed
     driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
     driver.finish(timeout=60)
     # Ray's fate-sharing ends the workers a moment later: until then one may still write a checkpoint
     wait_for(lambda: not driver.processes(), 60, "every process the killed command started to end")
     (killed,) = _runs(storage)
-    # Ray's newest registered checkpoint: a kill during the third epoch's report may leave a newer
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    epochs_before = sorted(m.step for m in client.get_metric_history(killed.info.run_id, "val_top1"))
+    # Ray's newest registered checkpoint: a kill during the next epoch's report may leave a newer
     # directory it never registered, which a resume never picks (the re-run removes it)
     newest = Path(Result.from_path(str(storage / "resumed")).checkpoint.path)
-    newest_epoch = read_meta(newest)["epoch"]  # counted from 0
+    snapshot = json.loads((storage / "resumed" / "checkpoint_manager_snapshot.json").read_text())
+    intact = [read_meta(storage / "resumed" / r["checkpoint_dir_name"])["epoch"] for r in snapshot["checkpoint_results"]
+              if r["checkpoint_dir_name"] != newest.name]
     # an intact directory Ray never registered, the newest by its write: a resume must neither pick it
     # nor let it hide the damage below
     orphan = storage / "resumed" / "checkpoint_2000-01-01_00-00-00.000000"
@@ -184,29 +220,46 @@ def killed_and_rerun(tmp_path_factory, digits16):
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
     result = run_vitsweep(args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return storage, result, newest, newest_epoch, orphan, killed
+    return KilledAndRerun(storage, driver.output, victim.pid, epochs_before, killed, newest, max(intact) + 2, orphan,
+                          result)
+
+
+def test_a_killed_worker_restarts_its_group_from_the_checkpoint_and_the_run_goes_on(killed_and_rerun):
+    assert not psutil.pid_exists(killed_and_rerun.killed_worker)
+    assert "(resumed from a checkpoint)" in killed_and_rerun.first_output, killed_and_rerun.first_output[-4000:]
+    # each epoch trained (and logged) once: none repeated after the restart
+    epochs = killed_and_rerun.epochs_before
+    assert len(epochs) >= 2 and epochs == list(range(1, len(epochs) + 1)), epochs
+    # the restarted group loaded model, ZeRO optimizer shards and scheduler, and went on from there
+    step, epoch = killed_and_rerun.resumed_at()[0]
+    assert step == epoch >= 2  # the first epoch trained again, counted from 1
 
 
 def test_a_killed_drivers_rerun_finishes_its_run_and_leaves_no_unregistered_checkpoint(killed_and_rerun):
-    storage, result, _, _, orphan, killed = killed_and_rerun
-    assert killed.info.status == "RUNNING"
+    storage, result = killed_and_rerun.storage, killed_and_rerun.rerun
+    assert killed_and_rerun.killed.info.status == "RUNNING"
     assert "(resumed from a checkpoint)" in result.stdout
     (run,) = _runs(storage)
-    assert run.info.run_id == killed.info.run_id
+    assert run.info.run_id == killed_and_rerun.killed.info.run_id
     assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
-    assert not orphan.exists()
+    assert not killed_and_rerun.orphan.exists()
     assert unregistered_checkpoints(storage / "resumed") == []
-    # Ray keeps run.num_to_keep (2) best by val_top1, and the latest: the damaged one may be among the best
-    assert len([path for path in (storage / "resumed").glob("checkpoint_*") if path.is_dir()]) <= 2 + 1
+
+
+def test_the_checkpoints_kept_are_the_best_by_the_checkpoint_score_and_the_latest(killed_and_rerun):
+    storage = killed_and_rerun.storage
+    (run,) = _runs(storage)
+    lr = {m.step: m.value for m in MlflowClient(f"sqlite:///{storage}/mlflow.db").get_metric_history(run.info.run_id, "lr")}
+    assert sorted(lr, key=lr.get, reverse=True)[:2] == [1, 2]  # the schedule's highest rates
+    kept = sorted(read_meta(path)["epoch"] + 1 for path in (storage / "resumed").glob("checkpoint_*") if path.is_dir())
+    assert kept == [1, 2, 4]  # the damaged third epoch's is neither among the best nor the latest
 
 
 def test_a_corrupt_latest_checkpoint_is_named_and_skipped_for_the_newest_intact_one(killed_and_rerun):
-    storage, result, damaged, damaged_epoch, _, _ = killed_and_rerun
-    assert f"warning: checkpoint {damaged} is corrupt" in result.stdout
-    (run,) = _runs(storage)
-    resumed = MlflowClient(f"sqlite:///{storage}/mlflow.db").get_metric_history(run.info.run_id, "resumed_at_epoch")
-    # from the checkpoint before it: the damaged checkpoint's epoch (counted from 1) is trained again
-    assert [m.value for m in resumed] == [damaged_epoch + 1]
+    assert f"warning: checkpoint {killed_and_rerun.damaged} is corrupt" in killed_and_rerun.rerun.stdout
+    # from the newest registered checkpoint before it (kept by its score, not necessarily the epoch before)
+    assert killed_and_rerun.resumed_at()[-1][1] == killed_and_rerun.resume_epoch
+    assert len(killed_and_rerun.resumed_at()) == 2  # the worker's restart, then the re-run
 
 
 def test_a_dataset_changed_after_its_sidecar_was_written_is_refused_before_ray_starts(tmp_path, digits16, capsys):
