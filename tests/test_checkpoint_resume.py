@@ -1,6 +1,7 @@
 """A resumed run continues exactly where its checkpoint was taken: a real one-process DeepSpeed engine
 trains a step, saves, trains another, and loads the checkpoint back; model, optimizer (moments and
 fp32 master weights), scheduler, EMA and every RNG must then be as they were at the save."""
+import os
 import random
 import re
 import shutil
@@ -105,3 +106,52 @@ def test_a_checkpoint_whose_deepspeed_state_is_gone_is_refused(trainer, tmp_path
     with pytest.raises(InvalidInputError, match=re.escape(
             f"checkpoint {tmp_path} has no DeepSpeed state under tag 'state'")):
         load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema)
+
+
+def _save_and_resume_on_rank(rank: int, world_size: int, port: int, directory, out_dir) -> None:
+    """One of two ZeRO-2 ranks: seed its RNGs its own way, checkpoint, draw (the uninterrupted run's next
+    numbers), reseed as a new process would be, load the checkpoint and draw again."""
+    import json
+
+    import deepspeed
+
+    from conftest import gloo_rank
+    from pipeline.components.engine import deepspeed_config, use_the_environments_ninja
+    from pipeline.components.lr_scaling import effective_lr
+    from pipeline.components.modeling import build_model
+    from pipeline.components.optim import build_optimizer, build_scheduler
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    use_the_environments_ninja()  # as a worker does: DeepSpeed loads its CPU comm op, not rebuilds it
+    with gloo_rank(rank, world_size, port):
+        cfg = load_config("smoke", ["model.args.depth=1", "deepspeed.zero_stage=2"])
+        torch.manual_seed(0)  # the same initial model on both ranks
+        model = build_model(cfg.model, num_classes=10)
+        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, world_size))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size),
+                                               lr_scheduler=build_scheduler(optimizer, cfg.optim, 4),
+                                               dist_init_required=False)
+        use_weights_only_loading(engine)
+        identity = model_identity(cfg.model, 10)
+        torch.manual_seed(1000 + rank), random.seed(2000 + rank), np.random.seed(3000 + rank)
+        directory.mkdir(exist_ok=True)
+        save_checkpoint(engine, directory, epoch=0, identity=identity, rank=rank)
+        uninterrupted = _draws()
+        torch.manual_seed(7), random.seed(7), np.random.seed(7)  # a restarted process's RNGs: anything else
+        load_checkpoint(engine, directory, identity=identity, rank=rank)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps({"uninterrupted": uninterrupted, "resumed": _draws()}))
+
+
+def test_resuming_under_zero2_restores_each_ranks_own_rng_state(tmp_path):
+    import json
+
+    import torch.multiprocessing as torch_mp
+
+    from conftest import free_port
+
+    torch_mp.spawn(_save_and_resume_on_rank, args=(2, free_port(), tmp_path / "checkpoint", tmp_path), nprocs=2)
+    draws = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        assert draws[rank]["resumed"] == draws[rank]["uninterrupted"], rank
+    assert draws[0]["uninterrupted"] != draws[1]["uninterrupted"]  # each rank has RNGs of its own

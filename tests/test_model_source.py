@@ -67,8 +67,8 @@ def _engine(overrides: list[str]):
     return cfg, engine
 
 
-def _step(engine, ema=None) -> None:
-    images, labels = torch.randn(4, 3, 16, 16), torch.arange(4)
+def _step(engine, ema=None, dtype: torch.dtype = torch.float32) -> None:
+    images, labels = torch.randn(4, 3, 16, 16, dtype=dtype), torch.arange(4)
     engine.backward(F.cross_entropy(engine(images), labels))
     engine.step()
     if ema is not None:
@@ -201,6 +201,26 @@ def test_a_checkpoint_of_any_zero_stage_gives_the_engines_weights(single_process
     source = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db")
     assert source.provenance.location == str(tmp_path / WEIGHTS_FILE)
     assert_same_weights(source.weights, expected)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_bf16_runs_final_weights_are_the_optimizers_fp32_master_weights_not_their_bf16_copies(
+        single_process_group, tmp_path, stage):
+    import deepspeed
+
+    cfg, engine = _engine([f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16", "model.args.depth=1"])
+    for _ in range(3):
+        _step(engine, dtype=torch.bfloat16)
+    save_checkpoint(engine, tmp_path, epoch=0, identity=model_identity(cfg.model, len(CLASSES)), rank=0)
+    # DeepSpeed's own zero_to_fp32 consolidates the fp32 partitions the optimizer saved in the checkpoint
+    masters = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db").weights
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        copies = _snapshot(engine.module)  # what the module trains with: bf16, widened
+    assert [name for name in masters if not torch.equal(copies[name], masters[name])]  # the rounding shows
+    save_final_weights(engine, tmp_path, rank=0)
+    final = resolve_model_source(str(tmp_path), storage_path=tmp_path, tracking_uri="sqlite:///unused.db")
+    assert final.provenance.location == str(tmp_path / WEIGHTS_FILE)
+    assert_same_weights(final.weights, masters)
 
 
 @pytest.mark.parametrize("told_to_unpickle", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])

@@ -112,6 +112,9 @@ def check_same_model(meta: dict[str, Any], expected: dict[str, Any], where: str)
         )
 
 
+RNG_FILE_PREFIX = "rng_rank"
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a training step draws from, as tensors and ints (weights-only loadable)."""
     numpy_state = np.random.get_state()
@@ -132,11 +135,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None,
                     card: dict[str, Any] | None = None) -> None:
     """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata, with the
-    model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs)."""
-    client_state = {"epoch": epoch, f"rng_rank{rank}": rng_state()}
+    model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs). Each rank
+    writes its RNG state to a file of its own: under ZeRO 0-2 DeepSpeed keeps only rank 0's client state."""
+    client_state = {"epoch": epoch}
     if ema is not None:
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
+    torch.save(rng_state(), directory / f"{RNG_FILE_PREFIX}{rank}.pt")
     if rank == 0:
         meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size,
                 **({"card": card} if card is not None else {})}
@@ -154,9 +159,11 @@ def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: 
         if "ema" not in client_state:
             raise InvalidInputError(f"checkpoint {directory} has no EMA weights, but optim.ema_decay is set")
         ema.module.load_state_dict(client_state["ema"])
-    own_rng = client_state.get(f"rng_rank{rank}")
-    if own_rng is not None:  # absent when resuming with more workers than the checkpoint had
-        set_rng_state(own_rng)
+    own_rng = Path(directory) / f"{RNG_FILE_PREFIX}{rank}.pt"
+    if own_rng.is_file():  # absent when resuming with more workers than the checkpoint had
+        set_rng_state(torch.load(own_rng, weights_only=True))
+    elif f"rng_rank{rank}" in client_state:  # a checkpoint written before the per-rank files: rank 0's
+        set_rng_state(client_state[f"rng_rank{rank}"])
     return int(client_state["epoch"]) + 1
 
 
@@ -164,15 +171,27 @@ EMA_WEIGHTS_FILE = "model_ema.safetensors"
 
 
 def save_final_weights(engine, directory: Path, rank: int, ema=None) -> None:
-    """Full fp32 weights as safetensors on rank 0 (gathered from all ranks under ZeRO-3)."""
+    """Full fp32 weights as safetensors on rank 0; every rank calls this (the gathers are collective).
+
+    Each parameter is the optimizer's fp32 master copy where it keeps one: under bf16 (or fp16) the
+    module holds only a rounded copy of it. Buffers, and the parameters of plain fp32 training, are
+    the module's (gathered from all ranks under ZeRO-3)."""
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_model
 
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
+    named = list(engine.module.named_parameters())
+    masters = {name: safe_get_full_fp32_param(param) for name, param in named}  # None: no master copy
+    with deepspeed.zero.GatheredParameters([param for _, param in named], modifier_rank=None,
+                                           enabled=engine.zero_optimization_stage() == 3):
         if rank == 0:
+            final = copy.deepcopy(engine.module).float()
+            with torch.no_grad():
+                for name, param in final.named_parameters():
+                    if masters[name] is not None:
+                        param.copy_(masters[name].detach().cpu())
             # save_model de-duplicates tensors shared between blocks (F-SNE, P-SNE).
-            save_model(copy.deepcopy(engine.module).float(), str(directory / WEIGHTS_FILE))
+            save_model(final, str(directory / WEIGHTS_FILE))
             if ema is not None:
                 save_model(ema.module, str(directory / EMA_WEIGHTS_FILE))
             write_manifest(directory, rank)  # again: the weights are this rank's files too
