@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from warm_ray import WarmRay, start_warm_ray
+
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
 REPO = Path(__file__).resolve().parents[1]
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
@@ -206,6 +208,55 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         shutil.rmtree(session.config.option.basetemp, ignore_errors=True)
 
 
+class WarmRays:
+    """The session's warm local Ray (README "A warm local Ray"), started when a command first joins it
+    (``running``) and stopped when a run of such commands is over (``stop``; after the last test that may
+    need it at the latest, ``pytest_runtest_teardown``): idle, its ~20 processes use about 7 % of a core
+    (``benchmarks/bench_warm_ray.py``), on 2 cores about what it saves a command that joins it each minute."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.cluster = tmp_path_factory, None
+
+    def running(self) -> WarmRay:
+        """The warm Ray, started by the README's lines (``start_warm_ray``), with every CPU free again:
+        whatever ran on it before is gone."""
+        if self.cluster is None:
+            self.cluster = start_warm_ray(self.tmp_path_factory.mktemp("warm-ray") / "home")
+        self.cluster.wait_until_idle()
+        return self.cluster
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+@pytest.fixture(scope="session")
+def warm_rays(request, tmp_path_factory) -> Iterator[WarmRays]:
+    request.config.warm_rays = warm = WarmRays(tmp_path_factory)
+    yield warm
+    warm.stop()
+
+
+@pytest.fixture
+def warm_ray(warm_rays) -> WarmRay:
+    """The warm Ray with every CPU free."""
+    return warm_rays.running()
+
+
+def pytest_collection_finish(session) -> None:
+    """The last test (of those selected) that may use the warm Ray, for ``pytest_runtest_teardown``."""
+    users = [item for item in session.items if "warm_rays" in getattr(item, "fixturenames", ())]
+    session.config.last_warm_ray_user = users[-1] if users else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """The warm Ray goes as soon as no later test may need it, not at the session's end."""
+    if item is getattr(item.config, "last_warm_ray_user", None) and hasattr(item.config, "warm_rays"):
+        item.config.warm_rays.stop()
+
+
 def train_command(storage: Path, data: dict[str, Path], *overrides: str, config: str = "smoke") -> list[str]:
     """`vitsweep train` on the smoke preset, writing only under ``storage``."""
     args = [VITSWEEP, "train", "--config", config,
@@ -366,6 +417,11 @@ def stop_process_group(process: subprocess.Popen) -> None:
 PROCESS_MARK = "VITSWEEP_TEST_COMMAND"
 
 
+def readme_shell_env() -> dict[str, str]:
+    """A user's shell for the README's commands: the venv's `vitsweep` and `mlflow` on the PATH."""
+    return {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
 def readme_block(heading: str) -> list[str]:
     """The commands of README's first ```bash block after ``heading``, continuation lines joined."""
     section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
@@ -374,14 +430,15 @@ def readme_block(heading: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def readme_finetuning(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
     venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` (with an EMA) and a 2-trial fine-tuning sweep
     from it that registers its best trial. Their store (``./vitsweep-runs``) and each command's output; the
     MLflow UI check browses the same store (adding the demo's run), and README "After training" continues in
-    the same directory (``test_after_training``), as a user would."""
+    the same directory (``test_after_training``), as a user would. The shell has exported RAY_ADDRESS=auto
+    after `ray start --head` (README "A warm local Ray"): every command joins the warm Ray."""
     root = tmp_path_factory.mktemp("readme-finetuning")
-    env = {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**readme_shell_env(), **warm_rays.running().joining}
     results = []
     for command in readme_block("## Fine-tuning"):
         result = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, env=env,

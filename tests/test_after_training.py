@@ -8,10 +8,8 @@ import contextlib
 import csv
 import io
 import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -22,8 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import (answers_200, free_port, readme_block, stop_process_group, vitsweep_env,
-                      wait_for)
+from conftest import (answers_200, free_port, readme_block, readme_shell_env, stop_process_group, wait_for)
 from pipeline.cli import main
 from pipeline.data.sidecar import read_sidecar
 
@@ -32,11 +29,6 @@ pytestmark = pytest.mark.slow
 RUN, REGISTERED, VAL = "digits16", "digits-classifier", "vitsweep-runs/data/digits_16_val.beton"
 AFTER_TRAINING = "## After training"
 SWEEP_MODEL = "digits16-finetuned"  # what README "Fine-tuning"'s sweep registers its best trial as
-
-
-def readme_shell_env() -> dict[str, str]:
-    """A user's shell for the README's commands: the venv's `vitsweep` and `mlflow` on the PATH."""
-    return {**vitsweep_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +40,7 @@ class AfterTraining:
     home: Path
     commands: dict[str, subprocess.CompletedProcess]  # each README command that ran, by its text
     sweep: subprocess.CompletedProcess
+    warm_ray_sessions: list[str]  # the Ray sessions under the warm Ray's temp dir, the commands' RAY_TMPDIR
 
     @property
     def storage(self) -> Path:
@@ -64,9 +57,11 @@ class AfterTraining:
 
 
 @pytest.fixture(scope="module")
-def after_training(readme_finetuning) -> AfterTraining:
+def after_training(readme_finetuning, warm_rays) -> AfterTraining:
+    """In the shell of README "Fine-tuning"'s commands (RAY_ADDRESS=auto: the commands that use Ray join the
+    warm Ray); the warm Ray is stopped after them, the last of the session's README commands that join it."""
     storage, (_, sweep) = readme_finetuning
-    home, env, commands = storage.parent, readme_shell_env(), {}
+    home, env, commands = storage.parent, {**readme_shell_env(), **warm_rays.running().joining}, {}
     timings = (home / "commands.log").open("a", buffering=1)  # each command's wall time, for whoever sizes the suite
     for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
         started = time.monotonic()
@@ -76,7 +71,10 @@ def after_training(readme_finetuning) -> AfterTraining:
         assert commands[command].returncode == 0, (command, commands[command].stdout[-3000:],
                                                    commands[command].stderr[-3000:])
     timings.close()
-    return AfterTraining(home, commands, sweep)
+    ray_dir = Path(warm_rays.running().ray_dir) / "ray"
+    sessions = sorted(path.name for path in ray_dir.glob("session_2*"))
+    warm_rays.stop()
+    return AfterTraining(home, commands, sweep, sessions)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +93,17 @@ def _artifact_rows(client, run, name: str) -> list[dict[str, str]]:
     with tempfile.TemporaryDirectory() as directory:
         return list(csv.DictReader(io.StringIO(Path(client.download_artifacts(run.info.run_id, name, directory))
                                                .read_text())))
+
+
+def test_every_readme_command_that_uses_ray_joined_the_warm_ray_its_shell_exported(after_training):
+    """README "A warm local Ray": with RAY_ADDRESS=auto exported, "Fine-tuning"'s and "After training"'s
+    commands as written join the running Ray instead of starting their own: each `train`, `tune` and `evaluate`
+    ran (with RAY_ADDRESS=auto a command joins a running Ray or fails), and Ray's temp dir (RAY_TMPDIR, theirs
+    too) holds the warm Ray's session alone."""
+    readme = readme_block("## Fine-tuning") + readme_block(AFTER_TRAINING)
+    ray_commands = [line for line in readme if re.match(r"vitsweep (train|tune|evaluate) ", line)]
+    assert len(ray_commands) == 4 and all(after_training.command(c).returncode == 0 for c in ray_commands[2:])
+    assert len(after_training.warm_ray_sessions) == 1, after_training.warm_ray_sessions
 
 
 def test_evaluating_a_run_on_its_own_validation_set_gives_exactly_its_final_val_top1(store, after_training):
