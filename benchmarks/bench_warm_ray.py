@@ -12,6 +12,7 @@ nothing runs) are printed too: what the first command pays, and what a warm clus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -44,11 +45,9 @@ def smoke_train(storage: Path, env: dict[str, str], name: str) -> float:
 def cpu_seconds(processes: list[psutil.Process]) -> float:
     total = 0.0
     for process in processes:
-        try:
+        with contextlib.suppress(psutil.Error):  # an idle cluster's processes stay; one gone is not counted
             times = process.cpu_times()
             total += times.user + times.system
-        except psutil.Error:
-            pass
     return total
 
 
@@ -66,7 +65,7 @@ def main() -> None:
         warm = start_warm_ray(Path(root) / "home")
         start_s = time.monotonic() - started
         try:
-            time.sleep(10)  # let its start settle before measuring what it costs idle
+            time.sleep(10)  # the measurement's protocol: its start's last work settles, outside the idle window
             processes = warm.processes()
             before = cpu_seconds(processes)
             time.sleep(args.idle_seconds)

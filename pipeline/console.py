@@ -42,12 +42,6 @@ def say_progress(text: str) -> None:
     print(MARK + PROGRESS + text, flush=True)
 
 
-# Settings the libraries read inside Ray Train's workers (the rest are read by the driver). A new local
-# Ray's workers inherit the driver's environment; a cluster the command joins (`ray start --head`, then
-# --address) started its workers from its own, so a run's workers are given these (``worker_settings``).
-WORKER_SETTINGS = ("MLFLOW_CONFIGURE_LOGGING", "RAY_TRAIN_ENABLE_PRINT_PATCH", "TQDM_DISABLE")
-
-
 def quiet_environment() -> None:
     """Settings read by the libraries as they start (call before Ray starts; workers inherit them)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # deduplication would fold and delay our own lines
@@ -58,11 +52,6 @@ def quiet_environment() -> None:
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # it would send each of our lines twice
     os.environ.setdefault("TQDM_DISABLE", "1")  # unlabelled library bars (ffcv's writer); vitsweep says what it writes
-
-
-def worker_settings() -> dict[str, str]:
-    """The driver's values of ``WORKER_SETTINGS`` (``quiet_environment``'s, unless the user set their own)."""
-    return {key: os.environ[key] for key in WORKER_SETTINGS if key in os.environ}
 
 
 _active: Console | None = None

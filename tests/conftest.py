@@ -211,8 +211,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 class WarmRays:
     """The session's warm local Ray (README "A warm local Ray"), started when a command first joins it
     (``running``) and stopped when a run of such commands is over (``stop``; after the last test that may
-    need it at the latest, ``pytest_runtest_teardown``): idle, its ~20 processes use about 7 % of a core
-    (``benchmarks/bench_warm_ray.py``), on 2 cores about what it saves a command that joins it each minute."""
+    need it at the latest, ``pytest_runtest_teardown``): idle, its ~20 processes use about 6 % of a core
+    (``benchmarks/bench_warm_ray.py``), so on 2 cores it pays only while its commands follow each other."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory, self.cluster = tmp_path_factory, None
@@ -236,12 +236,6 @@ def warm_rays(request, tmp_path_factory) -> Iterator[WarmRays]:
     request.config.warm_rays = warm = WarmRays(tmp_path_factory)
     yield warm
     warm.stop()
-
-
-@pytest.fixture
-def warm_ray(warm_rays) -> WarmRay:
-    """The warm Ray with every CPU free."""
-    return warm_rays.running()
 
 
 def pytest_collection_finish(session) -> None:

@@ -44,7 +44,7 @@ from pipeline.config.schema import ExperimentConfig, ModelConfig
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.components.distillation import build_teacher
-from pipeline.console import active_console, worker_settings
+from pipeline.console import active_console
 from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed, error_line
 from pipeline.training.jobs import git_provenance
@@ -384,8 +384,7 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, ca
                 checkpoint_score_order="min" if score.endswith("loss") else "max",
             ),
             callbacks=[MLflowEpochLogger(mlflow_run, cfg.optim.epochs, announce), *callbacks],
-            worker_runtime_env={"env_vars": {**worker_settings(),
-                                             **({} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"})}},
+            worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},
         ),
     )
 
