@@ -20,7 +20,7 @@ from conftest import VITSWEEP, vitsweep_env
     ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  "
      "(dvs-builder@U22-I3-AE18-09-2)  Thu Sep 25 23:18:38 UTC 2025", (580, 95, 5)),
     ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.54  Tue Jun  6 22:20:39 UTC 2023", (535, 54)),
-])
+], ids=["nvidia-smi", "proc-proprietary", "proc-open", "proc-no-patch"])  # ids without newlines: xdist cannot track one
 def test_driver_versions_parse_from_nvidia_smi_and_proc(text, version):
     assert parse_driver_version(text) == version
 

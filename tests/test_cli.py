@@ -67,7 +67,8 @@ def test_the_command_ends_once_its_exit_handlers_ran_skipping_pythons_last_colle
 
 @pytest.mark.parametrize("end", ["pipeline.cli.entry_point()", "sys.exit(main())"], ids=["entry point", "plain exit"])
 @pytest.mark.parametrize("exit_call, code, stderr", [("sys.exit(4)", 4, ""), ("sys.exit()", 0, ""),
-                                                      ("sys.exit('no such thing')", 1, "no such thing\n")])
+                                                      ("sys.exit('no such thing')", 1, "no such thing\n")],
+                         ids=["code 4", "no code", "message"])  # ids without a newline: xdist cannot track one
 def test_a_library_exiting_inside_the_command_ends_it_with_the_code_python_gives(end, exit_call, code, stderr):
     program = f"import sys\nimport pipeline.cli\ndef main():\n    {exit_call}\npipeline.cli.main = main\n{end}\n"
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
@@ -149,10 +150,12 @@ def test_config_validate_rejects_an_unknown_constructor_argument(capsys):
     assert "model.args" in capsys.readouterr().err
 
 
-def test_make_test_fails_when_a_test_fails(tmp_path):
+@pytest.mark.parametrize("workers", [None, "0"], ids=["two workers", "TEST_WORKERS=0"])
+def test_make_test_fails_when_a_test_fails(tmp_path, workers):
     (tmp_path / "test_broken.py").write_text("def test_broken():\n    assert 1 == 2\n")
-    result = _make_test(tmp_path / "test_broken.py")
+    result = _make_test(tmp_path / "test_broken.py", *([f"TEST_WORKERS={workers}"] if workers else []))
     assert result.returncode != 0 and "1 failed" in result.stdout
+    assert ("created: 2/2 workers" in result.stdout) == (workers is None), result.stdout  # README "Development"
 
 
 def test_make_test_fails_when_no_test_is_collected(tmp_path):
@@ -199,9 +202,9 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
 
 
-def _make_test(target: Path) -> subprocess.CompletedProcess:
+def _make_test(target: Path, *make_args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["make", "--no-print-directory", "test", f"PYTEST_ARGS=-p no:cacheprovider {target}"],
+        ["make", "--no-print-directory", "test", f"PYTEST_ARGS=-p no:cacheprovider {target}", *make_args],
         cwd=REPO, capture_output=True, text=True, env=_env(),
     )
 
