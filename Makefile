@@ -60,9 +60,12 @@ deepspeed-cpu-ops: $(STAMP)
 demo: setup
 	$(BIN)/vitsweep train
 
+# Two pytest-xdist workers, each taking whole groups of tests (tests/worker_groups.py): on 2 cores one
+# end-to-end run's idle moments go to another's work. TEST_WORKERS=0 runs the suite in this one process.
 # pytest exits 5 when it collected no tests: that is a failure too (nothing was shown).
+TEST_WORKERS ?= 2
 test: setup browser-packages
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
+	@$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 # Mutation testing of one core module against its fast unit tests (pyproject's [tool.mutmut]): every

@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from warm_ray import WarmRay, start_warm_ray
+from worker_groups import ScenarioGroupScheduling, order_by_group
 
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
 REPO = Path(__file__).resolve().parents[1]
@@ -236,6 +237,15 @@ def warm_rays(request, tmp_path_factory) -> Iterator[WarmRays]:
     request.config.warm_rays = warm = WarmRays(tmp_path_factory)
     yield warm
     warm.stop()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    order_by_group(items)
+
+
+def pytest_xdist_make_scheduler(config, log) -> ScenarioGroupScheduling:
+    """`make test`'s two workers each take whole groups of tests (tests/worker_groups.py)."""
+    return ScenarioGroupScheduling(config, log)
 
 
 def pytest_collection_finish(session) -> None:
