@@ -95,6 +95,10 @@ def synchronize(device) -> None:
 def init_single_process_group(backend: str) -> None:
     import torch.distributed as dist
 
+    if backend == "gloo":  # as a CPU worker does: DeepSpeed then loads its CPU comm op, not rebuilds it
+        from pipeline.components.engine import use_the_environments_ninja
+
+        use_the_environments_ninja()
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29561"),
                         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         os.environ.setdefault(name, value)

@@ -3,6 +3,7 @@
 machine's image or the wheels it carries, and those fit the device tool's 64 MiB."""
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,11 +47,19 @@ def tiny_run(tmp_path_factory) -> dict:
     script = str(REPO / "benchmarks" / "gpu_check.py")
     code = _WITHOUT.format(absent=set(NOT_IMPORTED), argv=[script, "--device", "cpu", "--tiny", "--out", str(out)],
                            script=script)
+    builds_before = _cpu_comm_op_build_logs()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     report["markdown"] = (out / "gpu_check.md").read_text()
+    report["cpu_comm_op_builds"] = (builds_before, _cpu_comm_op_build_logs())
     return report
+
+
+def _cpu_comm_op_build_logs() -> dict[str, str]:
+    """ninja's log of each DeepSpeed CPU comm op build in torch's extension cache (``make setup`` builds one)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return {str(log): log.read_text() for log in root.glob("**/deepspeed_shm_comm/.ninja_log")}
 
 
 def test_every_paper_model_is_stepped_by_vitsweeps_engine_and_timms_loop(tiny_run):
@@ -70,6 +79,14 @@ def test_the_input_pipeline_svpn_and_compile_parts_report_their_figures(tiny_run
     assert tiny_run["svpn"]["ms"]["exact (SVD)"] > 0 and "approx #sv=1 #iter=1" in tiny_run["svpn"]["ms"]
     assert tiny_run["compile"]["compiled_images_per_s"] > 0 and tiny_run["compile"]["compile_s"] is not None
     assert "| XCiT-N12/16 (003) | vitsweep |" in tiny_run["markdown"]
+
+
+def test_on_cpu_it_loads_deepspeeds_comm_op_as_built_whichever_ninja_its_shell_finds_first(tiny_run):
+    # With Debian's ninja first on PATH (make test's shell) it rebuilt the op, and the next worker rebuilt it
+    # back with pip's: ~100 s of the suite's CPU, while every starting worker waited on the build's lock.
+    before, after = tiny_run["cpu_comm_op_builds"]
+    rebuilt = [log for log, text in after.items() if before.get(log) != text]
+    assert before and not rebuilt, f"the run rebuilt DeepSpeed's CPU comm op: {rebuilt}"
 
 
 def test_it_needs_no_ray_ffcv_or_mlflow(tiny_run):
