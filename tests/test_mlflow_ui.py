@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import mlflow_server, run_vitsweep, train_command, wait_for
+from conftest import run_vitsweep, train_command, wait_for
 from pipeline.tracking.ui import ui_compare_link, ui_link
 from webdriver import PARALLEL_COORDINATES_JS
 
@@ -49,11 +49,10 @@ def store(readme_finetuning, digits16) -> tuple[Path, dict[str, str], str]:
 
 
 @pytest.fixture(scope="module")
-def server(store) -> str:
-    """`mlflow server` on a free loopback port over the store."""
-    storage, _, _ = store
-    with mlflow_server(storage / "mlflow-server.log", "--backend-store-uri", f"sqlite:///{storage / 'mlflow.db'}") as uri:
-        yield uri
+def server(store, readme_store_server) -> str:
+    """`mlflow server` over the store, once it holds the demo's run (the session's server of README
+    "Fine-tuning"'s store, which the fine-tuning check reads too)."""
+    return readme_store_server
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from xdist.scheduler import LoadScopeScheduling
 SHARED_SCENARIOS = {
     "finished_run": ("test_distillation", "test_fault_injection"),
     "readme_finetuning": ("test_after_training", "test_finetuning_e2e", "test_mlflow_ui"),
+    "readme_store_server": ("test_finetuning_e2e", "test_mlflow_ui"),
     "warm_rays": ("test_after_training", "test_finetuning_e2e", "test_job_submit", "test_mlflow_ui"),
 }
 
