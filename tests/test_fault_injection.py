@@ -45,7 +45,9 @@ def _last_line(output: str) -> str:
 def test_a_signal_to_the_driver_ends_the_run_killed_and_stops_its_workers(tmp_path, digits16):
     signum, exit_code = signal.SIGTERM, 143
     storage = tmp_path / "runs"
-    driver = RunningVitsweep(train_command(storage, digits16, "run.name=stopped", "optim.epochs=30"))
+    # one worker: stopping a group is the subject, not how many it holds (a killed worker's peer is, below)
+    driver = RunningVitsweep(train_command(storage, digits16, "run.name=stopped", "optim.epochs=30",
+                                           "scaling.num_workers=1"))
     driver.wait_for_line("epoch 1/30")
     assert driver.train_workers()
     driver.process.send_signal(signum)
@@ -153,7 +155,7 @@ def small_disk(tmp_path):
 def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(small_disk, digits16):
     storage = small_disk / "runs"
     result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30",
-                                        "model.args.depth=6", "model.args.embed_dim=192"))
+                                        "model.args.depth=6", "model.args.embed_dim=192", "scaling.num_workers=1"))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = _runs(storage)
     reason = run.data.tags["stop_reason"]

@@ -368,13 +368,13 @@ def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(resumed_sweep):
 
 @pytest.fixture(scope="module")
 def tpe_sweep(tmp_path_factory, digits16):
-    """Three TPE samples of one epoch each, trained under ZeRO-0 (plain data parallelism)."""
+    """Two TPE samples of one epoch, trained under ZeRO-0 (plain data parallelism): the second is invalid."""
     storage = tmp_path_factory.mktemp("tpe")
     space = storage / "heads.yaml"
     # 6 heads do not divide 128 channels: that one combination of four is invalid.
     space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
-                                       "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0",
+                                       "tune.searcher=tpe", "tune.num_samples=2", "tune.seed=0",
                                        "tune.scheduler=fifo", "deepspeed.zero_stage=0", *TWO_TRIALS_AT_ONCE),
                           timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -385,8 +385,7 @@ def test_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(tpe_swe
     client, (parent,), children = _runs(tpe_sweep)
     assert parent.data.params["tune.searcher"] == "tpe"
     pruned = json.loads(_download(client, parent.info.run_id, "pruned.json", tpe_sweep))
-    assert len(children) + len(pruned) == 3
-    assert pruned  # seed 0 draws (128 channels, 6 heads) as its second sample
+    assert len(children) == len(pruned) == 1  # seed 0 draws (128 channels, 6 heads) as its second sample
     assert all(p["knobs"] == {"model.args.embed_dim": 128, "model.args.num_heads": 6} for p in pruned)
     assert all("forward pass fails" in p["reason"] for p in pruned)
     for run in children.values():
