@@ -1,7 +1,8 @@
 """What the worker applies to a real DeepSpeed engine: BatchNorm inside a bf16 model keeps fp32 running
 statistics that follow the data as an fp32 run's do (in bf16 a running variance near 1 stops short of
-the data's 1.05), `deepspeed.compile` compiles the engine without changing its steps, and DeepSpeed's
-CPU comm op is built once, whichever shell a run starts from."""
+the data's 1.05), `deepspeed.compile` compiles the engine without changing its steps, ZeRO sums bf16
+gradients across ranks in fp32 (``deepspeed.reduce_in_fp32``), and DeepSpeed's CPU comm op is built once,
+whichever shell a run starts from."""
 import os
 import subprocess
 import sys
@@ -63,6 +64,20 @@ def test_a_compiled_bf16_engine_takes_the_same_steps_as_the_eager_one(single_pro
     (eager_bn, eager), (compiled_bn, compiled) = train_batchnorm_model("bf16", 3), train_batchnorm_model("bf16", 3, True)
     assert compiled == pytest.approx(eager, rel=2e-2)  # bf16 kernels fused differently
     torch.testing.assert_close(compiled_bn.running_var, eager_bn.running_var, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("reduce_in_fp32,reduced_in", [(True, torch.float32), (False, torch.bfloat16)])
+def test_a_bf16_zero_engine_sums_gradients_across_ranks_in_fp32_unless_told_otherwise(single_process_group,
+                                                                                       reduce_in_fp32, reduced_in):
+    import deepspeed
+
+    cfg = load_config("smoke", ["deepspeed.precision=bf16", "deepspeed.zero_stage=2",
+                                f"deepspeed.reduce_in_fp32={str(reduce_in_fp32).lower()}"])
+    layer = nn.Linear(4, 2)
+    engine, _, _, _ = deepspeed.initialize(model=layer, optimizer=torch.optim.AdamW(layer.parameters()),
+                                           config=deepspeed_config(cfg, world_size=1), dist_init_required=False)
+    assert next(layer.parameters()).dtype == torch.bfloat16
+    assert engine.optimizer.communication_data_type == reduced_in  # the dtype ZeRO casts gradients to for the sum
 
 
 LOAD_THE_CPU_COMM_OP = ("from pipeline.components.engine import use_the_environments_ninja; use_the_environments_ninja(); "

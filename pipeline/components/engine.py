@@ -61,6 +61,7 @@ def deepspeed_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0},  # 0: dynamic scaling
+        **({"communication_data_type": "fp32"} if precision != "fp32" and cfg.deepspeed.reduce_in_fp32 else {}),
         # DeepSpeed >= 0.19 casts parameters only: cast floating buffers with them (a bf16 model
         # meets no fp32 buffer); keep_batchnorm_in_fp32 then returns BN's running statistics to fp32.
         **({"data_types": {"buffer_dtype": precision}} if precision != "fp32" else {}),

@@ -314,6 +314,10 @@ class DeepSpeedConfig(_Section):
     # torch.compile the model through DeepSpeed's engine.compile() (inductor): a one-off compile of
     # tens of seconds per worker for faster steps; see benchmarks/RESULTS.md.
     compile: bool = False
+    # Under bf16/fp16, sum the gradients across ranks in fp32 (DeepSpeed's communication_data_type):
+    # DeepSpeed's default reduces in the training precision, whose 8 significant bits (bf16) drop a
+    # small rank's share of a 64-rank sum. The cost: twice the bytes each step sends. No effect in fp32.
+    reduce_in_fp32: bool = True
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> DeepSpeedConfig:
