@@ -395,6 +395,18 @@ def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def nvml_problem_here() -> str | None:
+    """What NVML itself says of this machine: None where it starts (a GPU machine), else its error."""
+    import pynvml  # nvidia-ml-py
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return str(err)
+    pynvml.nvmlShutdown()
+    return None
+
+
 def answers_200(url: str) -> bool:
     """Whether ``url`` answers HTTP 200 now (a server still starting does not)."""
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import STARTING_ENVIRONMENT, environment_restored, vitsweep_env
+from conftest import STARTING_ENVIRONMENT, environment_restored, nvml_problem_here, vitsweep_env
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, EXIT_OK, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,9 @@ def test_doctor_on_a_head_node_skips_the_gpu_check_of_a_gpu_job_and_says_why(tmp
     assert code == EXIT_OK, out
     (line,) = [line for line in out.splitlines() if " gpu " in line]
     assert line.startswith("skip  gpu") and "the head runs no GPU work" in line
-    assert "8/8 checks passed, 1 skipped on a head node" in out
+    (line,) = [line for line in out.splitlines() if " gpu_metrics " in line]
+    assert line.startswith("skip  gpu_metrics") and "each GPU node reports its own" in line
+    assert "8/8 checks passed, 2 skipped on a head node" in out
 
 
 def test_doctor_before_ray_starts_on_a_gpu_node_checks_its_driver_whatever_the_config(capsys):
@@ -106,9 +108,26 @@ def test_doctor_before_ray_starts_on_a_gpu_node_checks_its_driver_whatever_the_c
     code = main(["doctor", "--node", "gpu-driver", "--set", "tracking.mlflow_uri=http://127.0.0.1:9"])
     out = capsys.readouterr().out
     checked = {line.split()[1]: line.split()[0] for line in out.splitlines() if line[:6].strip() in ("ok", "FAIL", "skip")}
-    assert checked == {"python": "ok", "torch": "ok", "gpu": checked["gpu"], "timm": "skip", "deepspeed": "skip",
-                       "ffcv": "skip", "ray": "skip", "mlflow": "skip", "disk": "skip"}
+    assert checked == {"python": "ok", "torch": "ok", "gpu": checked["gpu"], "gpu_metrics": "skip", "timm": "skip",
+                       "deepspeed": "skip", "ffcv": "skip", "ray": "skip", "mlflow": "skip", "disk": "skip"}
     assert code == (EXIT_OK if checked["gpu"] == "ok" else EXIT_FAILURE)
+
+
+def test_doctor_on_a_gpu_worker_says_whether_mlflow_will_record_its_gpus(tmp_path, capsys, monkeypatch):
+    def gpu_metrics_line() -> str:
+        main(["doctor", "--node", "gpu-worker", "--set", f"run.storage_path={tmp_path}", "--set", "tracking.mlflow_uri=null"])
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if " gpu_metrics " in line]
+        return line
+
+    problem = nvml_problem_here()  # here: no NVIDIA driver
+    if problem is None:
+        assert gpu_metrics_line().startswith("  ok  gpu_metrics MLflow records the metrics of ")
+    else:
+        assert gpu_metrics_line() == ("FAIL  gpu_metrics GpuMetricsUnavailable: NVML cannot start "
+                                      f"({problem}): MLflow records no GPU metrics on this node")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # an image without nvidia-ml-py
+    assert gpu_metrics_line() == ("FAIL  gpu_metrics GpuMetricsUnavailable: nvidia-ml-py is not installed "
+                                  "(pip install nvidia-ml-py): MLflow records no GPU metrics on this node")
 
 
 def test_doctor_refuses_a_node_role_it_does_not_know_naming_the_roles(capsys):

@@ -13,6 +13,7 @@ import mlflow
 import pytest
 import torch
 
+from conftest import nvml_problem_here
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.trained.serving import log_model
@@ -69,6 +70,17 @@ def test_a_nodes_system_metrics_get_a_sample_when_its_monitor_stops_before_the_f
     history = run.metric_history("system/node0/cpu_utilization_percentage")
     assert len(history) == 1 and 0 <= history[0].value <= 100
     assert run.metric_history("system/node0/system_memory_usage_megabytes")[0].value > 0
+
+
+def test_a_gpu_nodes_monitor_says_in_the_runs_log_when_it_can_record_no_gpu_metrics(tmp_path, caplog):
+    # MLflow says it at INFO only, below the level the run's log keeps (vitsweep raises it to WARNING).
+    run = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "a-gpu-node")
+    monitor = monitor_node_system(run.uri, run.run_id, "node0", interval_s=3600, gpus=True)
+    monitor.finish()
+    said = [r.getMessage() for r in caplog.records if r.name == "mlflow.system_metrics" and r.levelname == "WARNING"]
+    problem = nvml_problem_here()  # here: no NVIDIA driver
+    expected = [] if problem is None else [f"node0: NVML cannot start ({problem}): MLflow records no GPU metrics on this node"]
+    assert said == expected
 
 
 def test_a_node_without_the_local_store_monitors_nothing_and_creates_no_store_of_its_own(tmp_path):

@@ -30,7 +30,7 @@ GPU_ROLES = ("gpu-worker", "gpu-driver")  # the GPUs must be usable, whatever th
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "doctor", help="Check torch/CUDA (and the NVIDIA driver when the config uses GPUs), DeepSpeed, FFCV, Ray, MLflow reachability and free disk."
+        "doctor", help="Check torch/CUDA (and the NVIDIA driver and GPU metrics when the config uses GPUs), DeepSpeed, FFCV, Ray, MLflow reachability and free disk."
     )
     add_config_arguments(parser)
     parser.add_argument(
@@ -66,6 +66,17 @@ def _gpu(cfg: ExperimentConfig, node: str | None) -> str:
     try:
         return check_gpu_node()
     except GpuUnavailableError as err:
+        return f"not used by this config (scaling.use_gpu=false): {err}"
+
+
+def _gpu_metrics(cfg: ExperimentConfig, node: str | None) -> str:
+    from pipeline.tracking.system_metrics import GpuMetricsUnavailable, gpu_metrics_source
+
+    if cfg.scaling.use_gpu or node in GPU_ROLES:  # a GPU run's System metrics tab would lack its GPUs
+        return gpu_metrics_source()
+    try:
+        return gpu_metrics_source()
+    except GpuMetricsUnavailable as err:
         return f"not used by this config (scaling.use_gpu=false): {err}"
 
 
@@ -135,6 +146,8 @@ def checks(cfg: ExperimentConfig, node: str | None) -> list[Check]:
         Check("torch", _torch),
         Check("gpu", lambda: _gpu(cfg, node),
               {"head": "the head runs no GPU work; each GPU node checks its own driver"}),
+        Check("gpu_metrics", lambda: _gpu_metrics(cfg, node),
+              {"head": "the head runs no GPU work; each GPU node reports its own", **DRIVER_ONLY}),
         Check("timm", _timm, DRIVER_ONLY),
         Check("deepspeed", _deepspeed, DRIVER_ONLY),
         Check("ffcv", _ffcv, DRIVER_ONLY),
@@ -150,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # an invalid config exits 2 before any check
     failed = skipped = 0
     found = checks(cfg, args.node)
+    width = max(len(check.name) for check in found)
     for check in found:
         if args.node in check.skipped_on:
             status, detail = "skip", f"not on a {args.node} node: {check.skipped_on[args.node]}"
@@ -160,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
             except Exception as err:  # a doctor reports every failure, it does not stop at the first
                 status, detail = "FAIL", f"{type(err).__name__}: {err}"
                 failed += 1
-        print(f"{status:>4}  {check.name:<10} {detail}")
+        print(f"{status:>4}  {check.name:<{width}} {detail}")
     ran = len(found) - skipped
     print(f"\n{ran - failed}/{ran} checks passed" + (f", {skipped} skipped on a {args.node} node" if skipped else ""))
     return 1 if failed else 0

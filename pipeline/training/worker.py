@@ -190,7 +190,8 @@ class Trainer:
     def _monitor_node(self, node_rank: int) -> None:
         from pipeline.tracking.system_metrics import monitor_node_system
 
-        self.monitor = monitor_node_system(self.plan.tracking_uri, self.plan.mlflow_run_id, f"node{node_rank}")
+        self.monitor = monitor_node_system(self.plan.tracking_uri, self.plan.mlflow_run_id, f"node{node_rank}",
+                                           gpus=self.cfg.scaling.use_gpu)
 
     def stop_monitoring(self) -> None:
         """The node's last system-metrics sample, logged while the run is still open: a run shorter than
