@@ -61,7 +61,10 @@ def main() -> None:
             kind = kind_of(" ".join(info["cmdline"] or []))
             kind = seen[key][0] if key in seen and kind == "other" else kind  # a process's last title is kept
             seen[key] = (kind, info["cpu_times"].user + info["cpu_times"].system)
-        time.sleep(1.0)
+        try:  # a sample a second, and none after the command ends
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
     machine_after = psutil.cpu_times()
     busy = sum(getattr(machine_after, f) - getattr(machine_before, f) for f in ("user", "system", "nice", "irq", "softirq"))
     totals, counts = collections.Counter(), collections.Counter()

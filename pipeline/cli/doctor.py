@@ -58,26 +58,29 @@ def _torch() -> str:
             f"CPU threads: {torch.get_num_threads()}")
 
 
+def _needed_on_gpus(cfg: ExperimentConfig, node: str | None, check: Callable[[], str],
+                    unavailable: type[Exception]) -> str:
+    """``check``'s report; its failure fails the doctor only where GPUs are used (the config's or the node's)."""
+    if cfg.scaling.use_gpu or node in GPU_ROLES:
+        return check()
+    try:
+        return check()
+    except unavailable as err:
+        return f"not used by this config (scaling.use_gpu=false): {err}"
+
+
 def _gpu(cfg: ExperimentConfig, node: str | None) -> str:
     from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 
-    if cfg.scaling.use_gpu or node in GPU_ROLES:  # GPUs this torch cannot run: fail here, not at step 1
-        return check_gpu_node()
-    try:
-        return check_gpu_node()
-    except GpuUnavailableError as err:
-        return f"not used by this config (scaling.use_gpu=false): {err}"
+    # GPUs this torch cannot run: fail here, not at step 1
+    return _needed_on_gpus(cfg, node, check_gpu_node, GpuUnavailableError)
 
 
 def _gpu_metrics(cfg: ExperimentConfig, node: str | None) -> str:
     from pipeline.tracking.system_metrics import GpuMetricsUnavailable, gpu_metrics_source
 
-    if cfg.scaling.use_gpu or node in GPU_ROLES:  # a GPU run's System metrics tab would lack its GPUs
-        return gpu_metrics_source()
-    try:
-        return gpu_metrics_source()
-    except GpuMetricsUnavailable as err:
-        return f"not used by this config (scaling.use_gpu=false): {err}"
+    # a GPU run whose System metrics tab would lack its GPUs
+    return _needed_on_gpus(cfg, node, gpu_metrics_source, GpuMetricsUnavailable)
 
 
 def _deepspeed() -> str:
