@@ -60,8 +60,9 @@ class Lifetime:
 
 @contextlib.contextmanager
 def lifetimes_below(root_pid: int, every: float = 0.05) -> Iterator[dict[int, Lifetime]]:
-    """Every Ray process below ``root_pid`` (a local Ray's are all below its driver), by pid, sampled
-    every ``every`` s while the block runs."""
+    """Every Ray worker process below ``root_pid`` (a local Ray's are all below its driver), by pid, sampled
+    every ``every`` s while the block runs. A worker's own children are left out: a fork (a subprocess
+    before its exec, a dataloader) carries its parent's ``ray::`` title but is no Ray worker."""
     seen: dict[int, Lifetime] = {}
 
     def sample() -> None:
@@ -74,7 +75,7 @@ def lifetimes_below(root_pid: int, every: float = 0.05) -> Iterator[dict[int, Li
                     if process.pid in seen:
                         seen[process.pid].last = now
                         seen[process.pid].titles.add(title)
-                    elif title.startswith("ray::"):
+                    elif title.startswith("ray::") and process.ppid() not in seen:
                         seen[process.pid] = Lifetime({title}, now, now)
 
     with sampled_every(every, sample):
