@@ -91,9 +91,10 @@ def test_the_console_script_exits_2_on_a_storage_path_that_cannot_be_created_and
 def test_diverging_loss_stops_the_run_and_marks_it_failed(tmp_path, digits16):
     storage = tmp_path / "runs"
     # The loss is checked at each logging step: at the first one here, not after 20 steps of overflowing weights.
+    # One worker: the check is each rank's own (a peer's failure is the killed-worker test's subject).
     result = run_vitsweep(train_command(
         storage, digits16, "run.name=diverge", "optim.lr=1e6", "optim.epochs=3", "optim.weight_decay=0",
-        "run.log_every_steps=1",
+        "run.log_every_steps=1", "scaling.num_workers=1",
     ))
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "loss diverged at epoch 1 step" in result.stderr

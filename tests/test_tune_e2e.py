@@ -93,7 +93,7 @@ def asha_sweep(tmp_path_factory, digits16):
     # at a time (a worker's CPU and the trial function's): the stopped trial is always followed by another.
     space.write_text("fixed:\n  optim.lr: null\n"
                      "params:\n  optim.lr_per_512: {values: [3.2e-2, 1.6e-6, 1.6e-2]}\n")
-    sweep = RunningVitsweep(tune_command(storage, digits16, space, "optim.epochs=3", "tune.name=asha",
+    sweep = RunningVitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=asha",
                                          "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"))
     with lifetimes_below(sweep.process.pid) as processes:
         returncode = sweep.finish(timeout=1500)
@@ -128,7 +128,7 @@ def test_the_sweeps_console_is_its_own_table_without_library_noise(asha_sweep):
     storage, result, _, _ = asha_sweep
     console = result.stdout + result.stderr
     assert not [noise for noise in SWEEP_NOISE if noise in console], console[-4000:]
-    assert re.search(r"^trial \w+ \(lr_per_512=0\.032\): epoch 1/3  val_top1 [\d.]+$", result.stdout, re.M)
+    assert re.search(r"^trial \w+ \(lr_per_512=0\.032\): epoch 1/2  val_top1 [\d.]+$", result.stdout, re.M)
     assert re.search(r"^trial \w+ \(lr_per_512=1\.6e-06\): stopped early after epoch 1$", result.stdout, re.M)
     assert "TrainController" in (storage / "asha" / "vitsweep.log").read_text()
 
@@ -193,7 +193,7 @@ def test_each_trials_checkpoints_are_its_own_runs_epochs(asha_sweep):
 def test_asha_stops_the_clearly_worse_trial_early_and_records_it_as_such(asha_sweep):
     client, _, children = _runs(asha_sweep[0])
     (bad,) = [r for r in children.values() if _lr(r) == 1e-7]
-    assert bad.data.tags["stop_reason"].startswith("early_stopped: ASHA stopped it after epoch 1 of 3")
+    assert bad.data.tags["stop_reason"].startswith("early_stopped: ASHA stopped it after epoch 1 of 2")
     assert bad.info.status == "FINISHED"  # stopped by the scheduler, not a failure
     # Its run was aborted as Tune stopped it: no epoch trained (and logged) after the stop.
     assert [m.step for m in client.get_metric_history(bad.info.run_id, "val_top1")] == [1]
@@ -218,7 +218,7 @@ def test_trials_that_train_every_epoch_finish_with_their_final_model(asha_sweep)
     assert completed
     for run in completed:
         assert run.info.status == "FINISHED"
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1, 2, 3]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1, 2]
         assert "model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id)}
         assert len(run.outputs.model_outputs) == 1
 
