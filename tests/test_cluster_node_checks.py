@@ -1,138 +1,95 @@
-"""Every `vitsweep` command a cluster file runs on a node before Ray starts there (the launchers' head
-and worker setup commands, the KubeRay GPU pods' init containers), run here under that node's
-conditions: it passes on a healthy node, and a check that cannot apply on that node is skipped with
-its reason instead of failing the node.
+"""Every container and node the cluster files declare, built from those files (``tests/cluster_nodes.py``:
+the KubeRay heads, GPU workers and init containers, the launchers' head and GPU worker nodes, each with
+its manifest's user, volumes and environment), runs vitsweep's part there on this machine: the doctor of
+its role passes on a healthy node, and a check that cannot apply there is skipped with its reason instead
+of failing the node; on every head, where job drivers run, a job's driver (a train and a sweep of the
+8x8 A100 job, its dataset a URI) passes every check it makes before Ray and stops only at joining the
+cluster, which is not there.
 
-A node's conditions are built in a private mount namespace (`unshare`), so this machine's own /mnt
-is never touched: /mnt is read-only with nothing under it but what the node mounts (a launcher node:
-the shared filesystem at /mnt/shared, writable by everyone as the launchers' `chmod 1777` leaves it;
-an init container: no volume at all), HOME is the image user's own, the environment holds the image's
-variables and no MLflow URI, and the command runs as the image's user (uid 1000) where this checkout
-is readable by it. This machine has no GPU, so there a GPU node's own check fails (exactly as
-`check_gpu_node()` says) and every other check must pass or be skipped."""
-import functools
-import os
+This machine has no GPU, so there a GPU node's own check fails (exactly as `check_gpu_node()` says) and
+every other check must pass or be skipped."""
+import dataclasses
 import re
-import shlex
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
+import shutil
 
 import pytest
 import yaml
 
-from conftest import nvml_problem_here, vitsweep_env
+from cluster_nodes import CLUSTER, KUBERAY, LAUNCHERS, Container, built_containers, node_process
+from conftest import nvml_problem_here
 from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
-
-ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "cluster"
-LAUNCHERS = ("aws-p4d.yaml", "gcp-a2.yaml")
-KUBERAY = ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml")
-IMAGE_USER = ("1000", "100")  # rayproject/ray's `ray` user and `users` group (cluster/Dockerfile: USER ray)
+from pipeline.data.sidecar import read_sidecar, write_sidecar
+from range_server import RangeServer
 
 pytestmark = pytest.mark.slow  # each command imports torch, DeepSpeed and FFCV (~10 s)
 
-
-@dataclass(frozen=True)
-class Node:
-    """Where a command runs: whether the node has GPUs, what is mounted under /mnt, and whether a shell
-    runs the command (launcher setup commands) or it is exec'd as words (a Kubernetes `command`)."""
-
-    kind: str
-    has_gpus: bool
-    mounts_shared_filesystem: bool
-    # the launchers' `-v ...:/mnt/local-nvme` on every node (head included), mode 1777 from their initialization_commands
-    mounts_node_cache: bool
-    shell: bool
+RAYJOB = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())["spec"]
+# What vitsweep reads of a container's environment: containers that differ only elsewhere (NCCL's
+# settings, a cloud SDK's region) run its commands alike, so each distinct one runs once.
+READ_BY_VITSWEEP = ("VITSWEEP_", "MLFLOW_", "RAY_")
+NO_CLUSTER = "--address auto: Could not find any running Ray instance"
 
 
-LAUNCHER_HEAD = Node("launcher head", has_gpus=False, mounts_shared_filesystem=True, mounts_node_cache=True, shell=True)
-LAUNCHER_GPU_WORKER = Node("launcher GPU worker", has_gpus=True, mounts_shared_filesystem=True, mounts_node_cache=True,
-                           shell=True)
-INIT_CONTAINER = Node("KubeRay init container", has_gpus=True, mounts_shared_filesystem=False, mounts_node_cache=False,
-                      shell=False)
-LAUNCHER_NODES = {"head_setup_commands": LAUNCHER_HEAD, "worker_setup_commands": LAUNCHER_GPU_WORKER}
+def _conditions(container: Container) -> tuple:
+    env = tuple(sorted((k, v) for k, v in container.env.items() if k.startswith(READ_BY_VITSWEEP)))
+    return container.role, container.gpus, container.volumes, container.user, container.shell, env
 
 
-def dockerfile_workdir() -> str:
-    return re.findall(r"^WORKDIR (\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)[-1]
+def distinct(pairs: list[tuple[Container, str]]) -> dict[tuple[Container, str], list[str]]:
+    """Each (container, command) whose conditions differ, with the places that run it alike."""
+    found: dict[tuple, tuple[Container, str]] = {}
+    places: dict[tuple[Container, str], list[str]] = {}
+    for container, command in pairs:
+        key = found.setdefault((_conditions(container), command), (container, command))
+        places.setdefault(key, []).append(container.where)
+    return places
 
 
-def image_environment() -> dict[str, str]:
-    """The `ENV` of the vitsweep image (its last stage)."""
-    text = (CLUSTER / "Dockerfile").read_text()
-    stage = text[text.rindex("\nFROM "):]
-    return dict(re.findall(r'^ENV (\w+)="?([^"\n]*)"?$', stage, re.MULTILINE))
+def doctor_command(container: Container) -> str:
+    """The doctor its file runs there, else the doctor of its role (a KubeRay head or Ray container)."""
+    declared = [command for command in container.commands if command.startswith("vitsweep doctor ")]
+    return declared[0] if declared else f"vitsweep doctor --node {container.role}"
 
 
-def node_commands() -> dict[tuple[Node, str], list[str]]:
-    """Each distinct (node, command) of the cluster files, with the places that run it."""
-    found: dict[tuple[Node, str], list[str]] = {}
-    for name in LAUNCHERS:
-        config = yaml.safe_load((CLUSTER / name).read_text())
-        assert not config["setup_commands"]  # each command belongs to one kind of node
-        for key, node in LAUNCHER_NODES.items():
-            for command in config[key]:
-                if command.split()[0] == "vitsweep":
-                    found.setdefault((node, command), []).append(f"{name} {key}")
-    for path in KUBERAY:
-        spec = yaml.safe_load((CLUSTER / path).read_text())["spec"]
-        spec = spec.get("rayClusterSpec", spec)
-        for group in spec["workerGroupSpecs"]:
-            for container in group["template"]["spec"].get("initContainers", []):
-                if container["command"][0] == "vitsweep":
-                    found.setdefault((INIT_CONTAINER, shlex.join(container["command"])), []).append(
-                        f"{path} {group['groupName']} {container['name']}")
-    return found
+DOCTORS = distinct([(container, doctor_command(container)) for container in built_containers()])
+# A train and a sweep of the RayJob's job, as its entrypoint writes them, on every kind of head.
+TRAIN = RAYJOB["entrypoint"]
+TUNE = TRAIN.replace("exec vitsweep train ", "exec vitsweep tune --space lr_wd ")
+def verb(command: str) -> str:
+    return re.search(r"exec vitsweep (\w+)", command).group(1)
 
 
-@functools.cache
-def as_image_user() -> list[str]:
-    """setpriv to the image's user where this checkout and its Python are readable by it (else as is)."""
-    if os.geteuid() != 0:
-        return []  # not root already
-    drop = ["setpriv", f"--reuid={IMAGE_USER[0]}", f"--regid={IMAGE_USER[1]}", "--clear-groups"]
-    probe = subprocess.run([*drop, "env", sys.executable, "-c", "import pipeline.cli"], cwd=ROOT,
-                           env=vitsweep_env(), capture_output=True)
-    return drop if probe.returncode == 0 else []
+DRIVERS = distinct([(container, command) for container in built_containers() if container.runs_job_drivers
+                    for command in (TRAIN, TUNE)])
+(KUBERAY_HEAD, *_) = [container for container in built_containers() if container.where.startswith("kuberay/")
+                      and container.runs_job_drivers]
+HEAD_WITHOUT_CACHE = dataclasses.replace(
+    KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its cache volume",
+    volumes=tuple(path for path in KUBERAY_HEAD.volumes
+                  if not KUBERAY_HEAD.env["VITSWEEP_CACHE_DIR"].startswith(path + "/")))
 
 
-def node_process(node: Node, command: str) -> subprocess.Popen:
-    """`command` as the node runs it, in a private mount namespace holding the node's /mnt and HOME."""
-    user = as_image_user()
-    env = {**{k: v for k, v in vitsweep_env().items() if k in ("PATH", "PYTHONPATH", "LANG")},
-           **image_environment(), "HOME": "/home/ray",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    words = command if node.shell else shlex.split(command)
-    # The image keeps this repository at its WORKDIR: absolute paths into it are this checkout here.
-    words = words.replace(dockerfile_workdir(), str(ROOT)) if node.shell else [
-        word.replace(dockerfile_workdir(), str(ROOT)) for word in words]
-    run = ["bash", "-c", words] if node.shell else words
-    setup = [
-        "set -e",
-        "mount -t tmpfs -o mode=755 node-mnt /mnt",
-        *(["mkdir /mnt/shared", "mount -t tmpfs -o mode=1777 shared-filesystem /mnt/shared"]
-          if node.mounts_shared_filesystem else []),
-        *(["mkdir /mnt/local-nvme", "mount -t tmpfs -o mode=1777 node-cache /mnt/local-nvme"]
-          if node.mounts_node_cache else []),
-        "mount -o remount,ro /mnt",
-        "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
-        *([f"chown {IMAGE_USER[0]}:{IMAGE_USER[1]} /home/ray"] if user else []),
-        f"cd {shlex.quote(str(ROOT))}",
-        "exec " + shlex.join([*user, "env", "-i", *(f"{k}={v}" for k, v in env.items()), *run]),
-    ]
-    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else [
-        "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
-    return subprocess.Popen([*namespace, "bash", "-c", "\n".join(setup)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def publish_as_the_jobs_dataset(digits16, root):
+    """The digits dataset under the file names the job reads (``imagenet_{split}.beton``), its sidecars
+    naming them, in ``root`` (what ``VITSWEEP_DATA_URI`` points to)."""
+    for split in ("train", "val"):
+        published = root / f"imagenet_{split}.beton"
+        shutil.copyfile(digits16[split], published)
+        write_sidecar(published, read_sidecar(digits16[split]).model_copy(update={"file": published.name}))
 
 
-@functools.cache
-def ran_on_their_nodes() -> dict[tuple[Node, str], tuple[int, str, str]]:
-    """Every (node, command), run side by side (each mostly imports): {(node, command): (exit code, stdout, stderr)}."""
-    running = {key: node_process(*key) for key in COMMANDS}
-    outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
+@pytest.fixture(scope="module")
+def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str], tuple[int, str, str]]:
+    """Every distinct (container, command), run side by side (each mostly imports), the drivers' dataset
+    served over loopback HTTP: {(container, command): (exit code, stdout, stderr)}."""
+    root = tmp_path_factory.mktemp("job-dataset")
+    publish_as_the_jobs_dataset(digits16, root)
+    with RangeServer(root) as server:
+        data_uri = server.url("imagenet_train.beton").rsplit("/", 1)[0]
+        running = {key: node_process(*key) for key in DOCTORS}
+        running |= {key: node_process(*key, {"VITSWEEP_DATA_URI": data_uri})
+                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN)]}
+        outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
 
 
@@ -152,20 +109,23 @@ def gpu_check_here() -> str | None:
 
 
 GPU_CHECKS = ("gpu", "gpu_metrics")  # what this machine (no GPU) fails on a GPU node
-COMMANDS = node_commands()
 
 
-def test_every_cluster_file_checks_its_nodes_with_vitsweep_doctor():
-    places = {place.split()[0] for where in COMMANDS.values() for place in where}
-    assert places == {*LAUNCHERS, *KUBERAY}
-    assert all(command.startswith("vitsweep doctor ") for _, command in COMMANDS)
+def test_every_cluster_file_is_built_and_checks_its_nodes_with_vitsweep_doctor():
+    containers = built_containers()
+    assert {container.where.split()[0] for container in containers} == {*LAUNCHERS, *KUBERAY}
+    declared = [command for container in containers for command in container.commands]
+    assert declared and all(command.startswith("vitsweep doctor ") for command in declared)
+    assert {container.where.split()[0] for container in containers if container.commands} == {*LAUNCHERS, *KUBERAY}
+    heads = [container.where for container in containers if container.runs_job_drivers]
+    assert len(heads) == len(LAUNCHERS) + len(KUBERAY), heads
 
 
-@pytest.mark.parametrize("node,command", list(COMMANDS), ids=lambda v: v.kind if isinstance(v, Node) else v)
-def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(node, command):
-    returncode, stdout, stderr = ran_on_their_nodes()[(node, command)]
+@pytest.mark.parametrize("container,command", list(DOCTORS), ids=lambda v: v if isinstance(v, str) else v.where)
+def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(ran_on_their_nodes, container, command):
+    returncode, stdout, stderr = ran_on_their_nodes[(container, command)]
     lines = doctor_lines(stdout)
-    where = f"{COMMANDS[(node, command)]}\n{stdout}\n{stderr[-3000:]}"
+    where = f"{DOCTORS[(container, command)]}\n{stdout}\n{stderr[-3000:]}"
     assert {"python", "torch", "gpu", "mlflow", "disk"} <= set(lines), where
     # Everything but the GPUs is healthy here: it passes, or it cannot apply on this node and says why.
     for name, (status, detail) in lines.items():
@@ -176,7 +136,7 @@ def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(node, c
         status, detail = lines[name]
         if status == "skip":
             assert detail.startswith("not on a "), (name, where)
-        elif not node.has_gpus or problem is None:  # a CPU node is healthy without GPUs
+        elif not container.gpus or problem is None:  # a CPU node is healthy without GPUs
             assert status == "ok", (name, where)
         else:  # a GPU node whose GPUs this machine does not have: that is its only failure
             assert status == "FAIL" and problem in detail, (name, where)
@@ -184,9 +144,31 @@ def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(node, c
     assert returncode == (1 if failed else 0), where
 
 
-def test_an_init_container_checks_the_driver_only_and_says_why_it_skips_the_rest():
-    (key,) = [key for key in COMMANDS if key[0] is INIT_CONTAINER]
-    lines = doctor_lines(ran_on_their_nodes()[key][1])
+def test_an_init_container_checks_the_driver_only_and_says_why_it_skips_the_rest(ran_on_their_nodes):
+    (key,) = [key for key in DOCTORS if key[0].role == "gpu-driver"]
+    lines = doctor_lines(ran_on_their_nodes[key][1])
     assert lines["mlflow"][0] == "skip" and "no tracking URI" in lines["mlflow"][1]
     assert lines["disk"][0] == "skip" and "no volume" in lines["disk"][1]
     assert lines["gpu"][0] != "skip"
+
+
+@pytest.mark.parametrize("container,command", list(DRIVERS),
+                         ids=lambda v: verb(v) if isinstance(v, str) else v.where)
+def test_a_jobs_driver_on_a_head_passes_every_check_and_stops_only_at_joining_the_cluster(
+        ran_on_their_nodes, container, command):
+    """The RayJob's entrypoint (and the same job as a sweep), its dataset a URI: the config, the paths it
+    writes (the staging cache of the image's VITSWEEP_CACHE_DIR, the run storage on the shared volume),
+    the remote dataset's verification, the model on the meta device and the MLflow store all pass (the
+    job's tracking URI names a cluster Service this machine cannot resolve: here the store is SQLite on
+    the shared volume); the only failure left is the cluster itself."""
+    returncode, stdout, stderr = ran_on_their_nodes[(container, command)]
+    where = f"{DRIVERS[(container, command)]}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert returncode == 2 and stderr.strip().splitlines()[-1].startswith(f"vitsweep {verb(command)}: {NO_CLUSTER}"), where
+
+
+def test_a_kuberay_head_without_its_cache_volume_refuses_the_job_naming_the_cache(ran_on_their_nodes):
+    """What the built head catches: without a volume at the image's VITSWEEP_CACHE_DIR (as the KubeRay heads
+    were), /mnt is the image's, root-owned, and the job's driver exits 2 before Ray, naming the directory."""
+    returncode, _, stderr = ran_on_their_nodes[(HEAD_WITHOUT_CACHE, TRAIN)]
+    cache = HEAD_WITHOUT_CACHE.env["VITSWEEP_CACHE_DIR"]
+    assert returncode == 2 and f"$VITSWEEP_CACHE_DIR: {cache!r} cannot be created" in stderr, stderr[-3000:]

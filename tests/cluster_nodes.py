@@ -1,0 +1,190 @@
+"""Every container and node the cluster files declare, built from those files, and run here.
+
+A ``Container`` is what a file says one place gets: the KubeRay heads, worker containers and init
+containers of ``cluster/kuberay/`` (the pod's user from its ``securityContext``, its volumes from its
+``volumeMounts``, its environment from the image's ``ENV`` and its ``env``), and the launchers' head and
+GPU worker nodes of ``cluster/*.yaml`` (the image's user, the ``-v`` and ``-e`` of their ``docker``
+run options), with the ``vitsweep`` commands each file runs there. A new container or volume in
+``cluster/`` is built without a new fixture.
+
+``node_process`` runs a command in such a container on this machine, in a private mount namespace
+(``unshare``) with its own process table, so this machine's own /mnt and /tmp and its processes are never
+touched: /mnt is the image's, root-owned
+and read-only, holding only the mount points of the container's volumes (each writable, as an
+``emptyDir`` or the launchers' ``chmod 1777`` leaves it); /tmp is the container's own; HOME is the image
+user's; the environment is the container's alone; and the command runs as the container's user where
+this checkout is readable by it. The image keeps this repository at its ``WORKDIR``: absolute paths into
+it are this checkout here. What a volume's driver does with ``fsGroup`` is not modelled.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "cluster"
+LAUNCHERS = ("aws-p4d.yaml", "gcp-a2.yaml")
+KUBERAY = ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml")
+IMAGE_USER = ("1000", "100")  # rayproject/ray's `ray` user and `users` group (cluster/Dockerfile: USER ray)
+GPU = "nvidia.com/gpu"
+# Mounted by every container runtime itself (Docker, containerd): a volume there changes only its size.
+RUNTIME_MOUNTS = ("/dev/shm",)
+# The environment of a value that comes from a Secret or a ConfigMap: a stand-in naming it.
+FROM_STORE = "<{kind} {name}/{key}>"
+
+
+@dataclass(frozen=True)
+class Container:
+    """One place a cluster file runs code: where it is declared, its node role (``vitsweep doctor --node``),
+    its GPUs, its writable volumes, its environment and user, and the ``vitsweep`` commands the file runs in
+    it (a launcher's setup commands through a shell, a Kubernetes ``command`` exec'd as words)."""
+
+    where: str
+    role: str
+    gpus: int
+    volumes: tuple[str, ...]
+    env: dict[str, str] = field(hash=False)
+    user: tuple[str, str]
+    commands: tuple[str, ...] = ()
+    shell: bool = False
+    runs_job_drivers: bool = False  # a head: `ray job submit` and a RayJob run their drivers here
+
+    def __repr__(self) -> str:
+        return self.where
+
+
+def dockerfile_workdir() -> str:
+    return re.findall(r"^WORKDIR (\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)[-1]
+
+
+def image_environment() -> dict[str, str]:
+    """The `ENV` of the vitsweep image (its last stage)."""
+    text = (CLUSTER / "Dockerfile").read_text()
+    stage = text[text.rindex("\nFROM "):]
+    return dict(re.findall(r'^ENV (\w+)="?([^"\n]*)"?$', stage, re.MULTILINE))
+
+
+def _kubernetes_env(container: dict) -> dict[str, str]:
+    env = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        else:
+            ((kind, ref),) = item["valueFrom"].items()
+            if ref.get("optional"):
+                continue  # an optional key may be absent: the command must say what it needs
+            env[item["name"]] = FROM_STORE.format(kind=kind, name=ref["name"], key=ref["key"])
+    return env
+
+
+def _pod_user(pod: dict, container: dict) -> tuple[str, str]:
+    context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    return str(context.get("runAsUser", IMAGE_USER[0])), str(context.get("runAsGroup", IMAGE_USER[1]))
+
+
+def _gpus(container: dict) -> int:
+    return int(container.get("resources", {}).get("limits", {}).get(GPU, 0))
+
+
+def kuberay_containers() -> list[Container]:
+    built = []
+    for path in KUBERAY:
+        doc = yaml.safe_load((CLUSTER / path).read_text())
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        groups = [("head", "head", spec["headGroupSpec"])] + [
+            (group["groupName"], "gpu-worker", group) for group in spec["workerGroupSpecs"]]
+        for group_name, role, group in groups:
+            pod = group["template"]["spec"]
+            for init in pod.get("initContainers", []):
+                command = shlex.join(init["command"])
+                built.append(Container(
+                    f"{path} {group_name} init container {init['name']}", _doctor_role(command) or role,
+                    _gpus(init), _volumes(init), {**image_environment(), **_kubernetes_env(init)},
+                    _pod_user(pod, init), (command,) if init["command"][0] == "vitsweep" else ()))
+            for container in pod["containers"]:
+                built.append(Container(
+                    f"{path} {group_name} container {container['name']}", role, _gpus(container),
+                    _volumes(container), {**image_environment(), **_kubernetes_env(container)},
+                    _pod_user(pod, container), runs_job_drivers=role == "head"))
+    return built
+
+
+def _volumes(container: dict) -> tuple[str, ...]:
+    return tuple(mount["mountPath"] for mount in container.get("volumeMounts", [])
+                 if mount["mountPath"] not in RUNTIME_MOUNTS)
+
+
+def _doctor_role(command: str) -> str | None:
+    found = re.search(r"vitsweep doctor --node (\S+)", command)
+    return found and found.group(1)
+
+
+def launcher_nodes() -> list[Container]:
+    built = []
+    for name in LAUNCHERS:
+        config = yaml.safe_load((CLUSTER / name).read_text())
+        assert not config["setup_commands"]  # each command belongs to one kind of node
+        options = shlex.split(" ".join(config["docker"]["run_options"]))
+        volumes = tuple(options[i + 1].split(":")[1] for i, word in enumerate(options) if word == "-v")
+        env = dict(options[i + 1].split("=", 1) for i, word in enumerate(options) if word == "-e")
+        for key, role, gpus in (("head_setup_commands", "head", 0), ("worker_setup_commands", "gpu-worker", 8)):
+            built.append(Container(
+                f"{name} {role} node", role, gpus, volumes, {**image_environment(), **env}, IMAGE_USER,
+                tuple(command for command in config[key] if command.split()[0] == "vitsweep"), shell=True,
+                runs_job_drivers=role == "head"))
+    return built
+
+
+def built_containers() -> list[Container]:
+    return kuberay_containers() + launcher_nodes()
+
+
+@functools.cache
+def as_user(uid: str, gid: str) -> tuple[str, ...]:
+    """setpriv to ``uid``:``gid`` where this checkout and its Python are readable by it (else as is)."""
+    if os.geteuid() != 0:
+        return ()  # not root already
+    drop = ("setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups")
+    probe = subprocess.run([*drop, "env", sys.executable, "-c", "import pipeline.cli"], cwd=ROOT,
+                           env={"PATH": os.environ["PATH"]}, capture_output=True)
+    return drop if probe.returncode == 0 else ()
+
+
+def node_process(container: Container, command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``command`` as ``container`` runs it (through a shell where its file runs commands so), with
+    ``env`` added to its environment (what a job's runtime environment gives its driver)."""
+    user = as_user(*container.user)
+    passed = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "LANG")}
+    environment = {**passed, **container.env, **(env or {}), "HOME": "/home/ray",
+                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    here = str(ROOT)
+    words = command.replace(dockerfile_workdir(), here) if container.shell else [
+        word.replace(dockerfile_workdir(), here) for word in shlex.split(command)]
+    run = ["bash", "-c", words] if container.shell else words
+    volumes = [path for path in container.volumes if path.startswith("/mnt/")]
+    assert volumes == list(container.volumes), f"{container}: a volume outside /mnt: {container.volumes}"
+    setup = [
+        "set -e",
+        "mount -t tmpfs -o mode=755 node-mnt /mnt",
+        *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o mode=1777 volume {shlex.quote(path)}"
+          for path in volumes),
+        "mount -o remount,ro /mnt",
+        "mount -t tmpfs -o mode=1777 node-tmp /tmp",
+        "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
+        *([f"chown {container.user[0]}:{container.user[1]} /home/ray"] if user else []),
+        f"cd {shlex.quote(here)}",
+        "exec " + shlex.join([*user, "env", "-i", *(f"{k}={v}" for k, v in environment.items()), *run]),
+    ]
+    # Its own process table too: Ray's `--address auto` looks for a GCS among the running processes.
+    own = ["--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc"]
+    namespace = ["unshare", *own] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", *own]
+    return subprocess.Popen([*namespace, "bash", "-c", "\n".join(setup)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
