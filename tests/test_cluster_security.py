@@ -121,19 +121,21 @@ def gpu_node_config(name: str) -> dict:
     return node["node_config"]
 
 
-def test_aws_gpu_workers_have_a_role_of_their_own_not_the_autoscalers():
+def test_aws_gpu_workers_have_a_role_of_their_own_not_the_heads():
     config = launcher("aws-p4d.yaml")
     head = config["available_node_types"][config["head_node_type"]]["node_config"]
-    assert "IamInstanceProfile" not in head  # `ray up` gives the head its ray-autoscaler-v1 role
+    assert head["IamInstanceProfile"] == {"Name": "vitsweep-head"}  # the README's, not Ray's ray-autoscaler-v1
     assert gpu_node_config("aws-p4d.yaml")["IamInstanceProfile"] == {"Name": "vitsweep-gpu-worker"}
 
 
-def test_the_aws_gpu_worker_role_reads_the_data_and_two_secrets_and_writes_checkpoints_only():
+def test_the_aws_gpu_worker_role_reads_the_data_two_secrets_and_the_image_and_writes_checkpoints_only():
     statements = json.loads(AWS_WORKER_POLICY.read_text())["Statement"]
     granted = {action: statement["Resource"] for statement in statements for action in statement["Action"]}
     assert set(granted) == {"s3:ListBucket", "s3:GetObject", "secretsmanager:GetSecretValue",
                             "elasticfilesystem:DescribeFileSystems", "elasticfilesystem:ClientMount",
-                            "elasticfilesystem:ClientWrite"}
+                            "elasticfilesystem:ClientWrite", "ecr:GetAuthorizationToken", "ecr:BatchGetImage",
+                            "ecr:GetDownloadUrlForLayer"}
+    assert granted["ecr:BatchGetImage"] == "arn:aws:ecr:us-east-1:*:repository/vitsweep"  # the image, no other
     assert all(statement["Effect"] == "Allow" and "*" not in "".join(statement["Action"]) for statement in statements)
     assert granted["s3:GetObject"] == "arn:aws:s3:::your-bucket/*" and granted["s3:ListBucket"] == "arn:aws:s3:::your-bucket"
     secrets = granted["secretsmanager:GetSecretValue"]
@@ -150,6 +152,7 @@ def test_gcp_gpu_workers_run_as_an_account_of_their_own_granted_only_what_they_n
     assert account["email"] == "vitsweep-gpu-worker@PROJECT_ID.iam.gserviceaccount.com"  # not the default account
     grants = [line for line in README.read_text().splitlines() if "--member=serviceAccount:$SA" in line]
     roles = sorted(re.search(r"--role=([\w./]+)", line).group(1) for line in grants)
-    assert roles == ["roles/file.viewer", "roles/secretmanager.secretAccessor", "roles/storage.objectViewer"]
+    assert roles == ["roles/artifactregistry.reader", "roles/file.viewer", "roles/secretmanager.secretAccessor",
+                     "roles/storage.objectViewer"]
     (secret_grant,) = [line for line in grants if "secretAccessor" in line]
     assert "for s in vitsweep-ray-auth-token vitsweep-mlflow-password;" in secret_grant  # the two secrets only
