@@ -24,7 +24,10 @@ def test_teacher_is_frozen_and_loaded_from_its_checkpoint(teacher_checkpoint):
 
     load_model(reference, str(teacher_checkpoint))
     images = torch.randn(2, 3, 16, 16)
-    assert torch.allclose(teacher(images), reference.eval()(images))
+    with torch.no_grad():  # as the teacher runs
+        expected = reference.eval()(images)
+    # The same weights: equal up to fp32 rounding, which the kernels' thread split changes (~1e-7)
+    torch.testing.assert_close(teacher(images), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_mixes_task_loss_and_cross_entropy_to_teacher_argmax(teacher_checkpoint):
