@@ -352,8 +352,20 @@ def test_mlflow_credentials_come_from_secrets_and_expand_only_inside_the_pod():
         assert "secretKeyRef" in env[variable]["valueFrom"]
 
 
+def ray_containers() -> list[dict]:
+    """Every Ray container of the RayCluster and the RayJob (heads and workers; not the init containers)."""
+    return [container for spec in cluster_specs().values()
+            for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+            for container in group["template"]["spec"]["containers"]]
+
+
+def test_every_ray_pod_logs_to_the_same_mlflow_uri():
+    uris = {env_of(container)["MLFLOW_TRACKING_URI"]["value"] for container in ray_containers()}
+    assert len(uris) == 1 and len(ray_containers()) == 4, uris
+
+
 def test_the_runs_mlflow_uri_is_the_mlflow_service_and_one_of_its_allowed_hosts():
-    uri = urlsplit(yaml.safe_load((CLUSTER / "runtime_env.yaml").read_text())["env_vars"]["MLFLOW_TRACKING_URI"])
+    uri = urlsplit(env_of(ray_containers()[0])["MLFLOW_TRACKING_URI"]["value"])
     service = one("Service", "mlflow")
     assert uri.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
     assert uri.port in {port["port"] for port in service["spec"]["ports"]}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from cluster_nodes import CLUSTER, KUBERAY, LAUNCHERS, Container, built_containers, node_process
-from conftest import nvml_problem_here
+from conftest import mlflow_server, nvml_problem_here
 from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 from pipeline.data.sidecar import read_sidecar, write_sidecar
 from range_server import RangeServer
@@ -28,6 +28,7 @@ RAYJOB = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())["spec
 # settings, a cloud SDK's region) run its commands alike, so each distinct one runs once.
 READ_BY_VITSWEEP = ("VITSWEEP_", "MLFLOW_", "RAY_")
 NO_CLUSTER = "--address auto: Could not find any running Ray instance"
+KUBERNETES_SERVICE = re.compile(r"https?://[\w.-]+\.svc\.cluster\.local(:\d+)?")
 
 
 def _conditions(container: Container) -> tuple:
@@ -78,16 +79,25 @@ def publish_as_the_jobs_dataset(digits16, root):
         write_sidecar(published, read_sidecar(digits16[split]).model_copy(update={"file": published.name}))
 
 
+def served_here(container: Container, mlflow_uri: str) -> dict[str, str]:
+    """The container's variables that name a Kubernetes Service (MLflow's), pointed at ``mlflow_uri``:
+    this machine resolves no cluster DNS name."""
+    return {name: KUBERNETES_SERVICE.sub(mlflow_uri, value) for name, value in container.env.items()
+            if KUBERNETES_SERVICE.search(value)}
+
+
 @pytest.fixture(scope="module")
 def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str], tuple[int, str, str]]:
     """Every distinct (container, command), run side by side (each mostly imports), the drivers' dataset
-    served over loopback HTTP: {(container, command): (exit code, stdout, stderr)}."""
+    served over loopback HTTP and the in-cluster MLflow Service by a loopback MLflow server:
+    {(container, command): (exit code, stdout, stderr)}."""
     root = tmp_path_factory.mktemp("job-dataset")
     publish_as_the_jobs_dataset(digits16, root)
-    with RangeServer(root) as server:
-        data_uri = server.url("imagenet_train.beton").rsplit("/", 1)[0]
-        running = {key: node_process(*key) for key in DOCTORS}
-        running |= {key: node_process(*key, {"VITSWEEP_DATA_URI": data_uri})
+    with RangeServer(root) as server, mlflow_server(root / "mlflow.log", "--backend-store-uri",
+                                                    f"sqlite:///{root / 'mlflow.db'}") as mlflow_uri:
+        data = {"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}
+        running = {key: node_process(*key, served_here(key[0], mlflow_uri)) for key in DOCTORS}
+        running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri)})
                     for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN)]}
         outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
@@ -140,6 +150,8 @@ def test_a_node_passes_its_own_check_and_skips_what_does_not_apply_there(ran_on_
             assert status == "ok", (name, where)
         else:  # a GPU node whose GPUs this machine does not have: that is its only failure
             assert status == "FAIL" and problem in detail, (name, where)
+    if "MLFLOW_TRACKING_URI" in container.env:  # its file names the server: the node reaches it
+        assert lines["mlflow"][0] == "ok", where
     failed = any(lines[name][0] == "FAIL" for name in problems)
     assert returncode == (1 if failed else 0), where
 
@@ -158,9 +170,9 @@ def test_a_jobs_driver_on_a_head_passes_every_check_and_stops_only_at_joining_th
         ran_on_their_nodes, container, command):
     """The RayJob's entrypoint (and the same job as a sweep), its dataset a URI: the config, the paths it
     writes (the staging cache of the image's VITSWEEP_CACHE_DIR, the run storage on the shared volume),
-    the remote dataset's verification, the model on the meta device and the MLflow store all pass (the
-    job's tracking URI names a cluster Service this machine cannot resolve: here the store is SQLite on
-    the shared volume); the only failure left is the cluster itself."""
+    the remote dataset's verification, the model on the meta device and the MLflow store (the head's
+    tracking URI, where it has one: KubeRay's Service, served here on loopback; a launcher head's store
+    is SQLite on the shared volume) all pass; the only failure left is the cluster itself."""
     returncode, stdout, stderr = ran_on_their_nodes[(container, command)]
     where = f"{DRIVERS[(container, command)]}\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert returncode == 2 and stderr.strip().splitlines()[-1].startswith(f"vitsweep {verb(command)}: {NO_CLUSTER}"), where

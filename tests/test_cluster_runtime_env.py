@@ -34,3 +34,11 @@ def test_runtime_env_uploads_the_code_and_git_and_leaves_out_the_virtualenv_and_
     assert not top & {".venv", "mlruns", "vitsweep-runs"}
     assert not [name for name in names if name.endswith(".beton") or "/__pycache__/" in f"/{name}"]
     assert package.stat().st_size < packaging.GCS_STORAGE_MAX_SIZE
+
+
+def test_runtime_env_names_no_kubernetes_service_for_the_launchers_that_share_it():
+    """The file goes to KubeRay and launcher clusters alike: a `*.svc.cluster.local` address resolves on the
+    first only (the KubeRay pods carry MLflow's address themselves)."""
+    env_vars = yaml.safe_load(RUNTIME_ENV.read_text())["env_vars"]
+    assert "MLFLOW_TRACKING_URI" not in env_vars
+    assert not [value for value in env_vars.values() if ".svc.cluster.local" in value]
