@@ -11,14 +11,14 @@ run options), with the ``vitsweep`` commands each file runs there. A new contain
 (``unshare``) with its own process table, so this machine's own /mnt and /tmp and its processes are never
 touched: /mnt is the image's, root-owned
 and read-only, holding only the mount points of the container's volumes (each writable, as an
-``emptyDir`` or the launchers' ``chmod 1777`` leaves it); /tmp is the container's own; HOME is the image
-user's; the environment is the container's alone; and the command runs as the container's user where
-this checkout is readable by it. The image keeps this repository at its ``WORKDIR``: absolute paths into
-it are this checkout here. What a volume's driver does with ``fsGroup`` is not modelled.
+``emptyDir`` or the launchers' ``chmod 1777`` leaves it, but a claim root-owned, mode 755, as a new share
+comes, until the init containers before it have run); /tmp is the container's own; HOME is the image
+user's; the environment is the container's alone; and the command runs as the container's user (this
+Python made reachable to it, ``interpreter_reachable``). The image keeps this repository at its ``WORKDIR``: absolute paths into
+it are this checkout here.
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shlex
@@ -56,6 +56,12 @@ class Container:
     commands: tuple[str, ...] = ()
     shell: bool = False
     runs_job_drivers: bool = False  # a head: `ray job submit` and a RayJob run their drivers here
+    # Volumes as a new claim comes: root-owned, mode 755 (a CSI driver that applies no fsGroup to a
+    # ReadWriteMany volume leaves it so: GKE's Filestore driver declares no fsGroupPolicy).
+    root_owned: tuple[str, ...] = ()
+    # What runs on its volumes before it, as (uid, gid, shell command): its cluster's head's init
+    # containers that are not vitsweep's (KubeRay starts the workers once the head's GCS is up).
+    prepared_by: tuple[tuple[str, str, str], ...] = ()
 
     def __repr__(self) -> str:
         return self.where
@@ -95,26 +101,51 @@ def _gpus(container: dict) -> int:
 
 
 def kuberay_containers() -> list[Container]:
+    """Every container of the RayCluster and the RayJob; an init container that is not vitsweep's is
+    built into the containers it prepares (``prepared_by``)."""
     built = []
     for path in KUBERAY:
         doc = yaml.safe_load((CLUSTER / path).read_text())
         spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        head_pod = spec["headGroupSpec"]["template"]["spec"]
+        preparing = [(init, _pod_user(head_pod, init)) for init in head_pod.get("initContainers", [])
+                     if init["command"][0] != "vitsweep"]
         groups = [("head", "head", spec["headGroupSpec"])] + [
             (group["groupName"], "gpu-worker", group) for group in spec["workerGroupSpecs"]]
         for group_name, role, group in groups:
             pod = group["template"]["spec"]
+            claims = _claims(pod)
+
+            def built_from(container: dict, where: str, role: str, commands: tuple[str, ...] = (),
+                           drivers: bool = False) -> Container:
+                volumes = _volumes(container)
+                return Container(
+                    where, role, _gpus(container), volumes, {**image_environment(), **_kubernetes_env(container)},
+                    _pod_user(pod, container), commands, runs_job_drivers=drivers,
+                    root_owned=tuple(mount["mountPath"] for mount in container.get("volumeMounts", [])
+                                     if mount["name"] in claims),
+                    prepared_by=tuple((*user, _as_shell(init["command"])) for init, user in preparing
+                                      if set(_volumes(init)) & set(volumes)))
+
             for init in pod.get("initContainers", []):
-                command = shlex.join(init["command"])
-                built.append(Container(
-                    f"{path} {group_name} init container {init['name']}", _doctor_role(command) or role,
-                    _gpus(init), _volumes(init), {**image_environment(), **_kubernetes_env(init)},
-                    _pod_user(pod, init), (command,) if init["command"][0] == "vitsweep" else ()))
+                if init["command"][0] == "vitsweep":
+                    command = shlex.join(init["command"])
+                    built.append(built_from(init, f"{path} {group_name} init container {init['name']}",
+                                            _doctor_role(command) or role, (command,)))
             for container in pod["containers"]:
-                built.append(Container(
-                    f"{path} {group_name} container {container['name']}", role, _gpus(container),
-                    _volumes(container), {**image_environment(), **_kubernetes_env(container)},
-                    _pod_user(pod, container), runs_job_drivers=role == "head"))
+                built.append(built_from(container, f"{path} {group_name} container {container['name']}", role,
+                                        drivers=role == "head"))
     return built
+
+
+def _claims(pod: dict) -> set[str]:
+    """The names of a pod's volumes that are PersistentVolumeClaims."""
+    return {volume["name"] for volume in pod.get("volumes", []) if "persistentVolumeClaim" in volume}
+
+
+def _as_shell(command: list[str]) -> str:
+    """A Kubernetes `command` (``sh -c SCRIPT`` or words) as one shell line."""
+    return command[2] if command[:2] in (["sh", "-c"], ["bash", "-c"]) else shlex.join(command)
 
 
 def _volumes(container: dict) -> tuple[str, ...]:
@@ -147,15 +178,28 @@ def built_containers() -> list[Container]:
     return kuberay_containers() + launcher_nodes()
 
 
-@functools.cache
 def as_user(uid: str, gid: str) -> tuple[str, ...]:
-    """setpriv to ``uid``:``gid`` where this checkout and its Python are readable by it (else as is)."""
+    """setpriv to ``uid``:``gid`` (in a namespace that ``interpreter_reachable`` set up), or nothing where this
+    process is not root (a user namespace's root is this machine's user)."""
     if os.geteuid() != 0:
-        return ()  # not root already
-    drop = ("setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups")
-    probe = subprocess.run([*drop, "env", sys.executable, "-c", "import pipeline.cli"], cwd=ROOT,
-                           env={"PATH": os.environ["PATH"]}, capture_output=True)
-    return drop if probe.returncode == 0 else ()
+        return ()
+    return ("setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups")
+
+
+def interpreter_reachable() -> list[str]:
+    """Shell lines that let any user reach this Python inside the namespace: where a directory on its real
+    path is closed to others (pyenv under root's 0700 home), a tmpfs takes that directory's place there,
+    holding the one entry on the path, bind-mounted. This machine's directories keep their modes."""
+    path = Path(os.path.realpath(sys.executable))
+    closed = next((parent for parent in reversed(path.parents) if not os.stat(parent).st_mode & 0o001), None)
+    if closed is None or os.geteuid() != 0:
+        return []
+    entry = path.relative_to(closed).parts[0]
+    staging = "/home"  # replaced by the node's own home right after
+    return [f"mount --bind {shlex.quote(str(closed / entry))} {staging}",
+            f"mount -t tmpfs -o mode=755 reachable {shlex.quote(str(closed))}",
+            f"mkdir {shlex.quote(str(closed / entry))}",
+            f"mount --move {staging} {shlex.quote(str(closed / entry))}"]
 
 
 def node_process(container: Container, command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -174,12 +218,16 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
     setup = [
         "set -e",
         "mount -t tmpfs -o mode=755 node-mnt /mnt",
-        *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o mode=1777 volume {shlex.quote(path)}"
-          for path in volumes),
+        *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o mode={755 if path in container.root_owned else 1777}"
+          f" volume {shlex.quote(path)}" for path in volumes),
         "mount -o remount,ro /mnt",
         "mount -t tmpfs -o mode=1777 node-tmp /tmp",
+        *interpreter_reachable(),
         "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
         *([f"chown {container.user[0]}:{container.user[1]} /home/ray"] if user else []),
+        # the init containers before it, each as its own user (root here is this namespace's)
+        *(shlex.join([*as_user(uid, gid), "sh", "-c", script]) if uid != "0" else shlex.join(["sh", "-c", script])
+          for uid, gid, script in container.prepared_by),
         f"cd {shlex.quote(here)}",
         "exec " + shlex.join([*user, "env", "-i", *(f"{k}={v}" for k, v in environment.items()), *run]),
     ]

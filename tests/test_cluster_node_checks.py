@@ -23,6 +23,7 @@ from range_server import RangeServer
 
 pytestmark = pytest.mark.slow  # each command imports torch, DeepSpeed and FFCV (~10 s)
 
+JOB = "cluster/jobs/a100_8x8.yaml"  # the job the cluster files are sized for
 RAYJOB = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())["spec"]
 # What vitsweep reads of a container's environment: containers that differ only elsewhere (NCCL's
 # settings, a cloud SDK's region) run its commands alike, so each distinct one runs once.
@@ -33,7 +34,8 @@ KUBERNETES_SERVICE = re.compile(r"https?://[\w.-]+\.svc\.cluster\.local(:\d+)?")
 
 def _conditions(container: Container) -> tuple:
     env = tuple(sorted((k, v) for k, v in container.env.items() if k.startswith(READ_BY_VITSWEEP)))
-    return container.role, container.gpus, container.volumes, container.user, container.shell, env
+    return (container.role, container.gpus, container.volumes, container.user, container.shell, env,
+            container.root_owned, container.prepared_by)
 
 
 def distinct(pairs: list[tuple[Container, str]]) -> dict[tuple[Container, str], list[str]]:
@@ -47,9 +49,10 @@ def distinct(pairs: list[tuple[Container, str]]) -> dict[tuple[Container, str], 
 
 
 def doctor_command(container: Container) -> str:
-    """The doctor its file runs there, else the doctor of its role (a KubeRay head or Ray container)."""
+    """The doctor its file runs there, else the doctor of its role for the job its cluster is sized for
+    (a KubeRay head or Ray container), as the launchers' nodes run it."""
     declared = [command for command in container.commands if command.startswith("vitsweep doctor ")]
-    return declared[0] if declared else f"vitsweep doctor --node {container.role}"
+    return declared[0] if declared else f"vitsweep doctor --node {container.role} --config {JOB}"
 
 
 DOCTORS = distinct([(container, doctor_command(container)) for container in built_containers()])
@@ -64,6 +67,8 @@ DRIVERS = distinct([(container, command) for container in built_containers() if 
                     for command in (TRAIN, TUNE)])
 (KUBERAY_HEAD, *_) = [container for container in built_containers() if container.where.startswith("kuberay/")
                       and container.runs_job_drivers]
+HEAD_UNPREPARED = dataclasses.replace(KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its init containers",
+                                      prepared_by=())
 HEAD_WITHOUT_CACHE = dataclasses.replace(
     KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its cache volume",
     volumes=tuple(path for path in KUBERAY_HEAD.volumes
@@ -98,7 +103,7 @@ def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str]
         data = {"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}
         running = {key: node_process(*key, served_here(key[0], mlflow_uri)) for key in DOCTORS}
         running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri)})
-                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN)]}
+                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_UNPREPARED, TRAIN)]}
         outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
 
@@ -184,3 +189,12 @@ def test_a_kuberay_head_without_its_cache_volume_refuses_the_job_naming_the_cach
     returncode, _, stderr = ran_on_their_nodes[(HEAD_WITHOUT_CACHE, TRAIN)]
     cache = HEAD_WITHOUT_CACHE.env["VITSWEEP_CACHE_DIR"]
     assert returncode == 2 and f"$VITSWEEP_CACHE_DIR: {cache!r} cannot be created" in stderr, stderr[-3000:]
+
+
+def test_a_kuberay_head_on_a_new_share_without_its_init_container_refuses_the_job_naming_the_run_storage(
+        ran_on_their_nodes):
+    """What the built head catches: on a share as a driver that applies no fsGroup leaves it (root-owned,
+    755), without the init container that gives its top to the pods' user, the job's driver exits 2 before
+    Ray, naming the run storage it cannot create."""
+    returncode, _, stderr = ran_on_their_nodes[(HEAD_UNPREPARED, TRAIN)]
+    assert returncode == 2 and "run.storage_path: '/mnt/shared/vitsweep-runs' cannot be created" in stderr, stderr[-3000:]
