@@ -11,8 +11,8 @@ run options), with the ``vitsweep`` commands each file runs there. A new contain
 (``unshare``) with its own process table, so this machine's own /mnt and /tmp and its processes are never
 touched: /mnt is the image's, root-owned
 and read-only, holding only the mount points of the container's volumes (each writable, as an
-``emptyDir`` or the launchers' ``chmod 1777`` leaves it, but a claim root-owned, mode 755, as a new share
-comes, until the init containers before it have run); /tmp is the container's own; HOME is the image
+``emptyDir`` or the launchers' ``chmod 1777`` leaves it, but a claim as a new share comes: root-owned, and
+writable through the pod's ``fsGroup`` where its pod sets one); /tmp is the container's own; HOME is the image
 user's; the environment is the container's alone; and the command runs as the container's user (this
 Python made reachable to it, ``interpreter_reachable``). The image keeps this repository at its ``WORKDIR``: absolute paths into
 it are this checkout here.
@@ -56,12 +56,10 @@ class Container:
     commands: tuple[str, ...] = ()
     shell: bool = False
     runs_job_drivers: bool = False  # a head: `ray job submit` and a RayJob run their drivers here
-    # Volumes as a new claim comes: root-owned, mode 755 (a CSI driver that applies no fsGroup to a
-    # ReadWriteMany volume leaves it so: GKE's Filestore driver declares no fsGroupPolicy).
-    root_owned: tuple[str, ...] = ()
-    # What runs on its volumes before it, as (uid, gid, shell command): its cluster's head's init
-    # containers that are not vitsweep's (KubeRay starts the workers once the head's GCS is up).
-    prepared_by: tuple[tuple[str, str, str], ...] = ()
+    # Its claims (PersistentVolumeClaims), by mount path, as a new share comes to it: root-owned, mode 755,
+    # and where its pod sets fsGroup, group-owned by it, group-writable and setgid, as the kubelet leaves
+    # it for a CSI driver whose fsGroupPolicy is File (GKE's Filestore driver; EFS's applies none).
+    claims: tuple[tuple[str, str | None], ...] = ()
 
     def __repr__(self) -> str:
         return self.where
@@ -101,51 +99,35 @@ def _gpus(container: dict) -> int:
 
 
 def kuberay_containers() -> list[Container]:
-    """Every container of the RayCluster and the RayJob; an init container that is not vitsweep's is
-    built into the containers it prepares (``prepared_by``)."""
     built = []
     for path in KUBERAY:
         doc = yaml.safe_load((CLUSTER / path).read_text())
         spec = doc["spec"].get("rayClusterSpec", doc["spec"])
-        head_pod = spec["headGroupSpec"]["template"]["spec"]
-        preparing = [(init, _pod_user(head_pod, init)) for init in head_pod.get("initContainers", [])
-                     if init["command"][0] != "vitsweep"]
         groups = [("head", "head", spec["headGroupSpec"])] + [
             (group["groupName"], "gpu-worker", group) for group in spec["workerGroupSpecs"]]
         for group_name, role, group in groups:
             pod = group["template"]["spec"]
-            claims = _claims(pod)
+            claims = {volume["name"] for volume in pod.get("volumes", []) if "persistentVolumeClaim" in volume}
+            fs_group = pod.get("securityContext", {}).get("fsGroup")
 
             def built_from(container: dict, where: str, role: str, commands: tuple[str, ...] = (),
                            drivers: bool = False) -> Container:
-                volumes = _volumes(container)
                 return Container(
-                    where, role, _gpus(container), volumes, {**image_environment(), **_kubernetes_env(container)},
-                    _pod_user(pod, container), commands, runs_job_drivers=drivers,
-                    root_owned=tuple(mount["mountPath"] for mount in container.get("volumeMounts", [])
-                                     if mount["name"] in claims),
-                    prepared_by=tuple((*user, _as_shell(init["command"])) for init, user in preparing
-                                      if set(_volumes(init)) & set(volumes)))
+                    where, role, _gpus(container), _volumes(container),
+                    {**image_environment(), **_kubernetes_env(container)}, _pod_user(pod, container), commands,
+                    runs_job_drivers=drivers,
+                    claims=tuple((mount["mountPath"], None if fs_group is None else str(fs_group))
+                                 for mount in container.get("volumeMounts", []) if mount["name"] in claims))
 
             for init in pod.get("initContainers", []):
-                if init["command"][0] == "vitsweep":
-                    command = shlex.join(init["command"])
-                    built.append(built_from(init, f"{path} {group_name} init container {init['name']}",
-                                            _doctor_role(command) or role, (command,)))
+                command = shlex.join(init["command"])
+                built.append(built_from(init, f"{path} {group_name} init container {init['name']}",
+                                        _doctor_role(command) or role,
+                                        (command,) if init["command"][0] == "vitsweep" else ()))
             for container in pod["containers"]:
                 built.append(built_from(container, f"{path} {group_name} container {container['name']}", role,
                                         drivers=role == "head"))
     return built
-
-
-def _claims(pod: dict) -> set[str]:
-    """The names of a pod's volumes that are PersistentVolumeClaims."""
-    return {volume["name"] for volume in pod.get("volumes", []) if "persistentVolumeClaim" in volume}
-
-
-def _as_shell(command: list[str]) -> str:
-    """A Kubernetes `command` (``sh -c SCRIPT`` or words) as one shell line."""
-    return command[2] if command[:2] in (["sh", "-c"], ["bash", "-c"]) else shlex.join(command)
 
 
 def _volumes(container: dict) -> tuple[str, ...]:
@@ -202,6 +184,15 @@ def interpreter_reachable() -> list[str]:
             f"mount --move {staging} {shlex.quote(str(closed / entry))}"]
 
 
+def _as_mounted(container: Container, path: str) -> str:
+    """tmpfs options for a volume as the container finds it: a claim as a new share (root-owned, and
+    group-owned by the pod's fsGroup where the kubelet applies it), else writable by everyone."""
+    claims = dict(container.claims)
+    if path not in claims:
+        return "mode=1777"  # an emptyDir; the launchers' `chmod 1777` mounts
+    return "mode=755" if claims[path] is None else f"mode=2775,gid={claims[path]}"
+
+
 def node_process(container: Container, command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``command`` as ``container`` runs it (through a shell where its file runs commands so), with
     ``env`` added to its environment (what a job's runtime environment gives its driver)."""
@@ -218,16 +209,13 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
     setup = [
         "set -e",
         "mount -t tmpfs -o mode=755 node-mnt /mnt",
-        *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o mode={755 if path in container.root_owned else 1777}"
-          f" volume {shlex.quote(path)}" for path in volumes),
+        *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o {_as_mounted(container, path)} volume {shlex.quote(path)}"
+          for path in volumes),
         "mount -o remount,ro /mnt",
         "mount -t tmpfs -o mode=1777 node-tmp /tmp",
         *interpreter_reachable(),
         "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
         *([f"chown {container.user[0]}:{container.user[1]} /home/ray"] if user else []),
-        # the init containers before it, each as its own user (root here is this namespace's)
-        *(shlex.join([*as_user(uid, gid), "sh", "-c", script]) if uid != "0" else shlex.join(["sh", "-c", script])
-          for uid, gid, script in container.prepared_by),
         f"cd {shlex.quote(here)}",
         "exec " + shlex.join([*user, "env", "-i", *(f"{k}={v}" for k, v in environment.items()), *run]),
     ]

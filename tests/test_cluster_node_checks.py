@@ -35,7 +35,7 @@ KUBERNETES_SERVICE = re.compile(r"https?://[\w.-]+\.svc\.cluster\.local(:\d+)?")
 def _conditions(container: Container) -> tuple:
     env = tuple(sorted((k, v) for k, v in container.env.items() if k.startswith(READ_BY_VITSWEEP)))
     return (container.role, container.gpus, container.volumes, container.user, container.shell, env,
-            container.root_owned, container.prepared_by)
+            container.claims)
 
 
 def distinct(pairs: list[tuple[Container, str]]) -> dict[tuple[Container, str], list[str]]:
@@ -67,8 +67,8 @@ DRIVERS = distinct([(container, command) for container in built_containers() if 
                     for command in (TRAIN, TUNE)])
 (KUBERAY_HEAD, *_) = [container for container in built_containers() if container.where.startswith("kuberay/")
                       and container.runs_job_drivers]
-HEAD_UNPREPARED = dataclasses.replace(KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its init containers",
-                                      prepared_by=())
+HEAD_WITHOUT_FSGROUP = dataclasses.replace(KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its pod's fsGroup",
+                                           claims=tuple((path, None) for path, _ in KUBERAY_HEAD.claims))
 HEAD_WITHOUT_CACHE = dataclasses.replace(
     KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its cache volume",
     volumes=tuple(path for path in KUBERAY_HEAD.volumes
@@ -103,7 +103,7 @@ def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str]
         data = {"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}
         running = {key: node_process(*key, served_here(key[0], mlflow_uri)) for key in DOCTORS}
         running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri)})
-                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_UNPREPARED, TRAIN)]}
+                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_WITHOUT_FSGROUP, TRAIN)]}
         outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
 
@@ -191,10 +191,11 @@ def test_a_kuberay_head_without_its_cache_volume_refuses_the_job_naming_the_cach
     assert returncode == 2 and f"$VITSWEEP_CACHE_DIR: {cache!r} cannot be created" in stderr, stderr[-3000:]
 
 
-def test_a_kuberay_head_on_a_new_share_without_its_init_container_refuses_the_job_naming_the_run_storage(
+def test_a_kuberay_head_on_a_new_share_without_its_pods_fsgroup_refuses_the_job_naming_the_run_storage(
         ran_on_their_nodes):
-    """What the built head catches: on a share as a driver that applies no fsGroup leaves it (root-owned,
-    755), without the init container that gives its top to the pods' user, the job's driver exits 2 before
-    Ray, naming the run storage it cannot create."""
-    returncode, _, stderr = ran_on_their_nodes[(HEAD_UNPREPARED, TRAIN)]
+    """What the built head catches: a new share is root-owned; the pod's fsGroup (which GKE's Filestore
+    driver lets the kubelet apply: its CSIDriver's fsGroupPolicy is File) is what lets the pods' user write
+    there. Without it the job's driver exits 2 before Ray, naming the run storage it cannot create."""
+    assert KUBERAY_HEAD.claims and all(group == "100" for _, group in KUBERAY_HEAD.claims)
+    returncode, _, stderr = ran_on_their_nodes[(HEAD_WITHOUT_FSGROUP, TRAIN)]
     assert returncode == 2 and "run.storage_path: '/mnt/shared/vitsweep-runs' cannot be created" in stderr, stderr[-3000:]
