@@ -24,14 +24,9 @@ from pathlib import Path
 
 import psutil
 
+from suite_cpu_by_process import busy_cpu_seconds
+
 VITSWEEP = str(Path(sys.executable).parent / "vitsweep")
-
-BUSY_FIELDS = ("user", "system", "nice", "irq", "softirq")
-
-
-def busy_cpu_s() -> float:
-    times = psutil.cpu_times()
-    return sum(getattr(times, field) for field in BUSY_FIELDS)
 
 
 def smoke_train(storage: Path, env: dict[str, str], name: str) -> tuple[float, float, int]:
@@ -41,7 +36,7 @@ def smoke_train(storage: Path, env: dict[str, str], name: str) -> tuple[float, f
             "--set", f"data.train={storage}/data/train.beton", "--set", f"data.val={storage}/data/val.beton",
             "--set", f"run.name={name}"]
     titles: dict[int, set[str]] = {}
-    started, busy = time.monotonic(), busy_cpu_s()
+    started, busy = time.monotonic(), busy_cpu_seconds()
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while process.poll() is None:
         with contextlib.suppress(psutil.Error):
@@ -50,8 +45,9 @@ def smoke_train(storage: Path, env: dict[str, str], name: str) -> tuple[float, f
                     title = " ".join(child.cmdline())
                     if title.startswith("ray::") or child.pid in titles:
                         titles.setdefault(child.pid, set()).add(title.split()[0] if title else "")
-        time.sleep(0.05)
-    wall, cpu = time.monotonic() - started, busy_cpu_s() - busy
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the next sample, or the run's end
+            process.wait(timeout=0.05)
+    wall, cpu = time.monotonic() - started, busy_cpu_seconds() - busy
     if process.returncode != 0:
         raise SystemExit(f"{name} failed:\n{process.stderr.read()[-3000:]}")
     never_used = sum(1 for seen in titles.values() if seen <= {"ray::IDLE", ""})

@@ -39,6 +39,12 @@ KINDS = [
 ]
 
 
+def busy_cpu_seconds() -> float:
+    """The machine's busy CPU time so far, all cores."""
+    times = psutil.cpu_times()
+    return sum(getattr(times, field) for field in ("user", "system", "nice", "irq", "softirq"))
+
+
 def kind_of(command: str) -> str:
     return next((kind for part, kind in KINDS if part in command), "other")
 
@@ -49,7 +55,7 @@ def main() -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    start, machine_before = time.time(), psutil.cpu_times()
+    start, busy_before, idle_before = time.time(), busy_cpu_seconds(), psutil.cpu_times().idle
     process = subprocess.Popen(command)
     seen: dict[tuple[int, float], tuple[str, float]] = {}
     while process.poll() is None:
@@ -65,14 +71,13 @@ def main() -> None:
             process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
-    machine_after = psutil.cpu_times()
-    busy = sum(getattr(machine_after, f) - getattr(machine_before, f) for f in ("user", "system", "nice", "irq", "softirq"))
+    busy = busy_cpu_seconds() - busy_before
     totals, counts = collections.Counter(), collections.Counter()
     for kind, seconds in seen.values():
         totals[kind] += seconds
         counts[kind] += 1
     report = {"command": command, "returncode": process.returncode, "wall_s": round(time.time() - start, 1),
-              "busy_cpu_s": round(busy, 1), "idle_cpu_s": round(machine_after.idle - machine_before.idle, 1),
+              "busy_cpu_s": round(busy, 1), "idle_cpu_s": round(psutil.cpu_times().idle - idle_before, 1),
               "by_kind": {kind: {"cpu_s": round(seconds, 1), "processes": counts[kind]}
                           for kind, seconds in totals.most_common()}}
     with open(args.out, "w") as out:

@@ -204,13 +204,12 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
     words = command.replace(dockerfile_workdir(), here) if container.shell else [
         word.replace(dockerfile_workdir(), here) for word in shlex.split(command)]
     run = ["bash", "-c", words] if container.shell else words
-    volumes = [path for path in container.volumes if path.startswith("/mnt/")]
-    assert volumes == list(container.volumes), f"{container}: a volume outside /mnt: {container.volumes}"
+    assert all(path.startswith("/mnt/") for path in container.volumes), f"{container}: a volume outside /mnt"
     setup = [
         "set -e",
         "mount -t tmpfs -o mode=755 node-mnt /mnt",
         *(f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o {_as_mounted(container, path)} volume {shlex.quote(path)}"
-          for path in volumes),
+          for path in container.volumes),
         "mount -o remount,ro /mnt",
         "mount -t tmpfs -o mode=1777 node-tmp /tmp",
         *interpreter_reachable(),

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import ray.autoscaler
+from cluster_nodes import dockerfile_workdir
 from pipeline.config.loading import load_config
 from pipeline.components.engine import deepspeed_config
 
@@ -40,11 +41,6 @@ def dockerfile_cache_dir() -> str:
     match = re.search(r"^ENV VITSWEEP_CACHE_DIR=(\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)
     assert match, "cluster/Dockerfile sets no VITSWEEP_CACHE_DIR"
     return match.group(1)
-
-
-def dockerfile_workdir() -> str:
-    """Where the image keeps the repository (the last WORKDIR: the vitsweep stage)."""
-    return re.findall(r"^WORKDIR (\S+)$", (CLUSTER / "Dockerfile").read_text(), re.MULTILINE)[-1]
 
 
 def volume_mounts(run_options: list[str]) -> dict[str, str]:

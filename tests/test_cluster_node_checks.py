@@ -55,18 +55,19 @@ def doctor_command(container: Container) -> str:
     return declared[0] if declared else f"vitsweep doctor --node {container.role} --config {JOB}"
 
 
-DOCTORS = distinct([(container, doctor_command(container)) for container in built_containers()])
-# A train and a sweep of the RayJob's job, as its entrypoint writes them, on every kind of head.
-TRAIN = RAYJOB["entrypoint"]
-TUNE = TRAIN.replace("exec vitsweep train ", "exec vitsweep tune --space lr_wd ")
 def verb(command: str) -> str:
     return re.search(r"exec vitsweep (\w+)", command).group(1)
 
 
-DRIVERS = distinct([(container, command) for container in built_containers() if container.runs_job_drivers
+CONTAINERS = built_containers()
+DOCTORS = distinct([(container, doctor_command(container)) for container in CONTAINERS])
+# A train and a sweep of the RayJob's job, as its entrypoint writes them, on every kind of head.
+TRAIN = RAYJOB["entrypoint"]
+TUNE = TRAIN.replace("exec vitsweep train ", "exec vitsweep tune --space lr_wd ")
+DRIVERS = distinct([(container, command) for container in CONTAINERS if container.runs_job_drivers
                     for command in (TRAIN, TUNE)])
-(KUBERAY_HEAD, *_) = [container for container in built_containers() if container.where.startswith("kuberay/")
-                      and container.runs_job_drivers]
+(KUBERAY_HEAD, *_) = [container for container in CONTAINERS
+                      if container.where.startswith("kuberay/") and container.runs_job_drivers]
 HEAD_WITHOUT_FSGROUP = dataclasses.replace(KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its pod's fsGroup",
                                            claims=tuple((path, None) for path, _ in KUBERAY_HEAD.claims))
 HEAD_WITHOUT_CACHE = dataclasses.replace(
@@ -127,7 +128,7 @@ GPU_CHECKS = ("gpu", "gpu_metrics")  # what this machine (no GPU) fails on a GPU
 
 
 def test_every_cluster_file_is_built_and_checks_its_nodes_with_vitsweep_doctor():
-    containers = built_containers()
+    containers = CONTAINERS
     assert {container.where.split()[0] for container in containers} == {*LAUNCHERS, *KUBERAY}
     declared = [command for container in containers for command in container.commands]
     assert declared and all(command.startswith("vitsweep doctor ") for command in declared)
