@@ -62,3 +62,17 @@ def test_a_distilled_run_under_zero3_completes_and_records_the_teacher(finished_
     assert run.info.status == "FINISHED" and run.data.params["deepspeed.zero_stage"] == "3"
     assert run.data.params["distill.teacher"] == "xcit_nano_12_p8"
     assert run.data.params["distill.teacher_checkpoint"] == str(teacher_checkpoint)
+
+
+@pytest.mark.slow
+def test_a_run_without_an_ema_logs_no_ema_metrics_or_weights(finished_run):
+    """The EMA's records appear exactly when it is on: test_training's run keeps one, this one does not."""
+    from mlflow.tracking import MlflowClient
+
+    storage, _, _ = finished_run
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
+    assert run.data.params["optim.ema_decay"] == "None"
+    assert not [metric for metric in ("val_top1_ema", "val_top5_ema", "val_loss_ema")
+                if client.get_metric_history(run.info.run_id, metric)]
+    assert "model_ema.safetensors" not in {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -22,7 +22,6 @@ from pipeline.data.writing import write_beton
 from pipeline.trained.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
-from conftest import VITSWEEP, run_vitsweep
 from test_data_images import NoiseSource
 
 
@@ -115,23 +114,6 @@ def test_the_console_says_what_was_evaluated_the_metrics_and_where_they_are(eval
     assert f"val_top1 {run.data.metrics['val_top1']:.2f}%" in console and "per class (top-1): 0 " in console
     assert "warning: the data's class names differ from the model's: 'digit 0' != '0'; " in console
     assert f"recorded as MLflow run {run.info.run_id}" in console and "workflowType=machine_learning" in console
-
-
-@pytest.mark.slow
-def test_two_ray_workers_count_every_sample_once_as_one_process_does(logged_run, evaluated):
-    """Each worker reads its shard; rank 0's gathered result reaches the driver (Ray Train 2.60 keeps a
-    report's metrics only with a checkpoint) and is recorded as the one-process evaluation is."""
-    _, alone = evaluated
-    # in a process of its own, as a user runs it: Ray's native threads outlive ray.shutdown() in the
-    # process that started it, and this one's exit would race them
-    result = run_vitsweep([VITSWEEP, *_evaluate_args(logged_run, "--crop-ratio", "0.875", "--workers", "2")])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    on_ray = _evaluations(logged_run)[0]
-    assert on_ray.info.run_id != alone.info.run_id
-    assert on_ray.data.metrics == pytest.approx(alone.data.metrics, rel=1e-6)
-    assert on_ray.data.metrics["val_top1"] == alone.data.metrics["val_top1"]  # counts: exactly
-    assert _read(logged_run, on_ray, "predictions.csv") == _read(logged_run, alone, "predictions.csv")
-    assert _read(logged_run, on_ray, "confusion_matrix.csv") == _read(logged_run, alone, "confusion_matrix.csv")
 
 
 def test_the_confusion_tally_counts_true_against_predicted_classes():
