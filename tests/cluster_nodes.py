@@ -13,9 +13,10 @@ touched: /mnt is the image's, root-owned
 and read-only, holding only the mount points of the container's volumes (each writable, as an
 ``emptyDir`` or the launchers' ``chmod 1777`` leaves it, but a claim as a new share comes: root-owned, and
 writable through the pod's ``fsGroup`` where its pod sets one); /tmp is the container's own; HOME is the image
-user's; the environment is the container's alone; and the command runs as the container's user (this
-Python made reachable to it, ``interpreter_reachable``). The image keeps this repository at its ``WORKDIR``: absolute paths into
-it are this checkout here.
+user's; the environment is the container's alone, with the image's ``cluster/bin`` programs on its PATH;
+and the command runs as the container's user (this Python made reachable to it, ``interpreter_reachable``).
+The image keeps this repository at its ``WORKDIR``: absolute paths into it are this checkout here. Given an
+address, the node also gets a network of its own (its ports are its own, and Ray names it by that address).
 """
 from __future__ import annotations
 
@@ -193,13 +194,23 @@ def _as_mounted(container: Container, path: str) -> str:
     return "mode=755" if claims[path] is None else f"mode=2775,gid={claims[path]}"
 
 
-def node_process(container: Container, command: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _network(address: str) -> list[str]:
+    """A network namespace's setup: loopback up, and ``address`` as this node's own address, the one a
+    route to the outside leaves from (what Ray names the node's IP)."""
+    return ["ip link set lo up", f"ip addr add {address}/32 dev lo", f"ip route add default dev lo src {address}"]
+
+
+def node_process(container: Container, command: str, env: dict[str, str] | None = None,
+                 programs: dict[str, str] | None = None, address: str | None = None) -> subprocess.Popen:
     """``command`` as ``container`` runs it (through a shell where its file runs commands so), with
-    ``env`` added to its environment (what a job's runtime environment gives its driver)."""
+    ``env`` added to its environment (what a job's runtime environment gives its driver), the image's
+    ``cluster/bin`` programs on its PATH (``programs``, {name: shell script}, in front of them: a stand-in
+    for one), and, given an ``address``, a network of its own where that is the node's address."""
     user = as_user(*container.user)
     passed = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "LANG")}
+    stand_ins = "/tmp/node-bin"  # the node's own /tmp: readable by its user
     environment = {**passed, **container.env, **(env or {}), "HOME": "/home/ray",
-                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+                   "PATH": f"{stand_ins}:{CLUSTER / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     here = str(ROOT)
     words = command.replace(dockerfile_workdir(), here) if container.shell else [
         word.replace(dockerfile_workdir(), here) for word in shlex.split(command)]
@@ -212,6 +223,10 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
           for path in container.volumes),
         "mount -o remount,ro /mnt",
         "mount -t tmpfs -o mode=1777 node-tmp /tmp",
+        *(_network(address) if address else []),
+        f"mkdir -m 755 {stand_ins}",
+        *(f"printf %s {shlex.quote(script)} > {stand_ins}/{name} && chmod 755 {stand_ins}/{name}"
+          for name, script in (programs or {}).items()),
         *interpreter_reachable(),
         "mount -t tmpfs -o mode=755 node-home /home && mkdir /home/ray",
         *([f"chown {container.user[0]}:{container.user[1]} /home/ray"] if user else []),
@@ -219,7 +234,7 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
         "exec " + shlex.join([*user, "env", "-i", *(f"{k}={v}" for k, v in environment.items()), *run]),
     ]
     # Its own process table too: Ray's `--address auto` looks for a GCS among the running processes.
-    own = ["--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc"]
+    own = ["--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", *(["--net"] if address else [])]
     namespace = ["unshare", *own] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", *own]
     return subprocess.Popen([*namespace, "bash", "-c", "\n".join(setup)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

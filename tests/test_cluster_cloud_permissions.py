@@ -10,8 +10,10 @@ from __future__ import annotations
 import ast
 import fnmatch
 import importlib.util
+import itertools
 import json
 import re
+import runpy
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,9 @@ AWS_CALLS = [
          "https://docs.aws.amazon.com/efs/latest/ug/API_DescribeFileSystems.html"),
     Call("a secret read (boto3 get_secret_value)", r"\bvitsweep-secret aws\b", ("secretsmanager:GetSecretValue",),
          "https://docs.aws.amazon.com/secretsmanager/latest/apireference/API_GetSecretValue.html"),
+    Call("the MLflow server's secrets (vitsweep-mlflow-server reads them with vitsweep-secret)",
+         r"\bvitsweep-mlflow-server aws\b", ("secretsmanager:GetSecretValue",),
+         "https://docs.aws.amazon.com/secretsmanager/latest/apireference/API_GetSecretValue.html"),
     Call("the registry's login token", r"\baws ecr get-login-password\b", ("ecr:GetAuthorizationToken",),
          "https://docs.aws.amazon.com/AmazonECR/latest/APIReference/API_GetAuthorizationToken.html"),
     Call("the account id (no permission needed)", r"\baws sts get-caller-identity\b", (),
@@ -87,6 +92,9 @@ GCP_CALLS = [
     Call("Filestore instance found by name", r"\bgcloud filestore instances describe\b", ("file.instances.get",),
          "https://cloud.google.com/filestore/docs/access-control"),
     Call("a secret read (Secret Manager's REST API)", r"\bvitsweep-secret gcp\b", ("secretmanager.versions.access",),
+         "https://cloud.google.com/secret-manager/docs/access-control"),
+    Call("the MLflow server's secrets (vitsweep-mlflow-server reads them with vitsweep-secret)",
+         r"\bvitsweep-mlflow-server gcp\b", ("secretmanager.versions.access",),
          "https://cloud.google.com/secret-manager/docs/access-control"),
     Call("Docker's credential helper set up (no permission needed)", r"\bgcloud auth configure-docker\b", (),
          "https://cloud.google.com/artifact-registry/docs/docker/authentication"),
@@ -244,3 +252,47 @@ def test_a_launcher_logs_docker_in_to_its_registry_before_it_pulls_the_private_i
     assert not any(re.search(r"\bsudo\b[^|&;]*\bdocker login\b", c) for c in config["initialization_commands"])
     for command in config["initialization_commands"]:
         shlex.split(command)  # each parses as shell words
+
+
+# The secrets a node's commands read: `vitsweep-secret PLATFORM NAME`, and those the head's MLflow server reads.
+SECRET_READ = re.compile(r"\bvitsweep-secret (?:aws|gcp) ([\w-]+)")
+MLFLOW_SERVER_SECRETS = set(runpy.run_path(str(CLUSTER / "bin" / "vitsweep-mlflow-server"))["SECRETS"].values())
+
+
+def secrets_read(config: dict, head: bool) -> set[str]:
+    text = "\n".join(commands_of(config, head))
+    return {*SECRET_READ.findall(text), *(MLFLOW_SERVER_SECRETS if "vitsweep-mlflow-server " in text else ())}
+
+
+def aws_secrets_granted(profile: str) -> set[str]:
+    """The secrets the README's policies let the instance profile's role read (their ARNs' names)."""
+    role, _, _ = aws_role_actions(profile)
+    granted = set()
+    for line in readme_lines():
+        if re.match(rf"aws iam put-role-policy --role-name {role}\b", line):
+            policy = json.loads((ROOT / re.search(r"(cluster/iam/[\w.-]+\.json)", line).group(1)).read_text())
+            granted |= {re.search(r":secret:([\w-]+)-\*$", arn).group(1) for statement in policy["Statement"]
+                        if "secretsmanager:GetSecretValue" in statement["Action"] for arn in statement["Resource"]}
+    return granted
+
+
+def gcp_secrets_granted(variable: str) -> set[str]:
+    """The secrets the README binds to the account in ``$variable`` (its `for s in ...` loops)."""
+    return {name for line in readme_lines() if f"--member=serviceAccount:${variable} " in line
+            and (loop := re.match(r"for s in ([\w -]+); do gcloud secrets add-iam-policy-binding \$s ", line))
+            for name in loop.group(1).split()}
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head", "GPU worker"])
+def test_each_launcher_node_may_read_exactly_the_secrets_it_reads_each_created_before_the_first_ray_up(head):
+    """Least privilege per secret, not per action: the GPU workers read Ray's token and MLflow's training
+    password, never the MLflow admin's (the head's server alone reads it)."""
+    aws, gcp = launcher("aws-p4d.yaml"), launcher("gcp-a2.yaml")
+    read = secrets_read(aws, head)
+    assert read == secrets_read(gcp, head)
+    assert ("vitsweep-mlflow-admin-password" in read) == head
+    assert aws_secrets_granted(node_config(aws, head)["IamInstanceProfile"]["Name"]) == read
+    assert gcp_secrets_granted("HEAD_SA" if head else "SA") == read
+    creates = {"aws-p4d.yaml": r"^aws secretsmanager create-secret --name {} ", "gcp-a2.yaml": r"gcloud secrets create {} "}
+    for (launcher_file, create), name in itertools.product(creates.items(), read):
+        assert line_index(create.format(name)) < first_ray_up(launcher_file), (name, launcher_file)

@@ -76,10 +76,19 @@ def test_the_image_copies_every_package_setuptools_builds_and_the_files_it_reads
     assert needed | {"pyproject.toml", "constraints.txt", project["project"]["readme"], "cluster"} <= copied
 
 
-def test_the_image_puts_the_secret_reader_on_path_for_the_cluster_start_commands():
-    (copy,) = [arguments for instruction, arguments in stages()["vitsweep"]
-               if instruction == "COPY" and "cluster/bin/vitsweep-secret" in arguments]
-    assert copy.split()[-1] == "/usr/local/bin/vitsweep-secret" and "--chmod=0755" in copy
+def test_the_image_puts_every_program_of_cluster_bin_on_path_for_the_cluster_start_commands():
+    programs = sorted(path.name for path in (ROOT / "cluster" / "bin").iterdir())
+    assert {"vitsweep-secret", "vitsweep-mlflow-server"} <= set(programs)
+    for program in programs:
+        (copy,) = [arguments.split() for instruction, arguments in stages()["vitsweep"]
+                   if instruction == "COPY" and f"cluster/bin/{program}" in arguments.split()]
+        assert copy[-1] == "/usr/local/bin/" and "--chmod=0755" in copy, program
+
+
+def test_the_image_can_run_the_launcher_heads_mlflow_server_at_the_clients_version():
+    pip = re.search(r"pip install (.+?)(?:&&|$)", runs("vitsweep")).group(1).split()
+    assert '"mlflow[auth]"' in pip  # the basic-auth app (Flask-WTF) of vitsweep-mlflow-server
+    assert "mlflow.server.auth" in runs("vitsweep")  # imported once built: the build fails without it
 
 
 def test_the_image_defaults_each_nodes_staging_cache_to_its_local_nvme_mount():

@@ -9,6 +9,7 @@ cluster, which is not there.
 This machine has no GPU, so there a GPU node's own check fails (exactly as `check_gpu_node()` says) and
 every other check must pass or be skipped."""
 import dataclasses
+import json
 import re
 import shutil
 
@@ -92,6 +93,13 @@ def served_here(container: Container, mlflow_uri: str) -> dict[str, str]:
             if KUBERNETES_SERVICE.search(value)}
 
 
+def ray_started(container: Container, mlflow_uri: str) -> dict[str, str]:
+    """What a launcher node's `ray start` adds to the environment of the Ray processes it starts (a job's
+    driver among them): its head's MLflow server, served here by ``mlflow_uri`` (the start command itself
+    runs in ``test_a_launcher_heads_start_command_serves_mlflow_behind_a_login_to_every_node``)."""
+    return {"MLFLOW_TRACKING_URI": mlflow_uri} if container.where.startswith(LAUNCHERS) else {}
+
+
 @pytest.fixture(scope="module")
 def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str], tuple[int, str, str]]:
     """Every distinct (container, command), run side by side (each mostly imports), the drivers' dataset
@@ -103,7 +111,7 @@ def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str]
                                                     f"sqlite:///{root / 'mlflow.db'}") as mlflow_uri:
         data = {"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}
         running = {key: node_process(*key, served_here(key[0], mlflow_uri)) for key in DOCTORS}
-        running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri)})
+        running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri), **ray_started(key[0], mlflow_uri)})
                     for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_WITHOUT_FSGROUP, TRAIN)]}
         outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
@@ -177,8 +185,8 @@ def test_a_jobs_driver_on_a_head_passes_every_check_and_stops_only_at_joining_th
     """The RayJob's entrypoint (and the same job as a sweep), its dataset a URI: the config, the paths it
     writes (the staging cache of the image's VITSWEEP_CACHE_DIR, the run storage on the shared volume),
     the remote dataset's verification, the model on the meta device and the MLflow store (the head's
-    tracking URI, where it has one: KubeRay's Service, served here on loopback; a launcher head's store
-    is SQLite on the shared volume) all pass; the only failure left is the cluster itself."""
+    tracking URI: KubeRay's Service, or the launcher head's own server, served here on loopback) all pass;
+    the only failure left is the cluster itself."""
     returncode, stdout, stderr = ran_on_their_nodes[(container, command)]
     where = f"{DRIVERS[(container, command)]}\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert returncode == 2 and stderr.strip().splitlines()[-1].startswith(f"vitsweep {verb(command)}: {NO_CLUSTER}"), where
@@ -200,3 +208,74 @@ def test_a_kuberay_head_on_a_new_share_without_its_pods_fsgroup_refuses_the_job_
     assert KUBERAY_HEAD.claims and all(group == "100" for _, group in KUBERAY_HEAD.claims)
     returncode, _, stderr = ran_on_their_nodes[(HEAD_WITHOUT_FSGROUP, TRAIN)]
     assert returncode == 2 and "run.storage_path: '/mnt/shared/vitsweep-runs' cannot be created" in stderr, stderr[-3000:]
+
+
+# A launcher head's `ray start` command, as its file writes it, on a node with a private address of its own
+# (as the cloud's network gives it; MLflow's server answers such hosts), the secret store a stand-in and
+# Ray's command one that logs an MLflow run from the environment it was given (what every Ray process
+# on that node inherits). Run twice on the head (`ray up` again), then the worker's, as Ray's updater
+# runs each command: in a shell of its own.
+HEAD_ADDRESS = "10.0.0.5"
+STAND_IN_SECRETS = {"vitsweep-ray-auth-token": "a" * 64, "vitsweep-mlflow-password": "trainer-" + "b" * 40,
+                    "vitsweep-mlflow-admin-password": "admin-" + "c" * 42}
+LOG_A_RUN = """
+import json, os, urllib.error, urllib.request
+from mlflow import MlflowClient
+uri = os.environ["MLFLOW_TRACKING_URI"]
+client = MlflowClient(uri)
+experiment = client.get_experiment_by_name("vitsweep")
+run = client.create_run(experiment.experiment_id if experiment else client.create_experiment("vitsweep"),
+                        run_name=os.environ["NODE"])
+client.set_terminated(run.info.run_id)
+try:
+    anonymous = urllib.request.urlopen(uri + "/api/2.0/mlflow/experiments/search?max_results=1").status
+except urllib.error.HTTPError as err:
+    anonymous = err.code
+print(json.dumps({"node": os.environ["NODE"], "uri": uri, "user": os.environ["MLFLOW_TRACKING_USERNAME"],
+                  "anonymous": anonymous}))
+"""
+PROCESSES = """
+import json, os, psutil
+store = "/mnt/shared/mlflow"
+print(json.dumps({"processes": [p.info for p in psutil.process_iter(["pid", "ppid", "cmdline"])],
+                  "store_mode": oct(os.stat(store).st_mode & 0o777), "store": sorted(os.listdir(store))}))
+"""
+
+
+def secret_store(platform: str) -> str:
+    """A stand-in for the image's `vitsweep-secret PLATFORM NAME` (no cloud identity or secret store here)."""
+    cases = "".join(f"  '{platform} {name}') printf %s '{value}' ;;\n" for name, value in STAND_IN_SECRETS.items())
+    return f'#!/bin/sh\ncase "$1 $2" in\n{cases}  *) echo "no secret $1 $2" >&2; exit 1 ;;\nesac\n'
+
+
+def test_a_launcher_heads_start_command_serves_mlflow_behind_a_login_to_every_node():
+    config = yaml.safe_load((CLUSTER / "aws-p4d.yaml").read_text())
+    (head,) = [container for container in CONTAINERS if container.where == "aws-p4d.yaml head node"]
+    each = lambda node, commands: [f"export NODE={node}", *(f"( {command}\n)" for command in commands)]  # noqa: E731
+    script = "\n".join([
+        'ray() { if [ "$1" = start ]; then python -c "$LOG_A_RUN"; fi; }',
+        *each("head", config["head_start_ray_commands"]), *each("head-again", config["head_start_ray_commands"]),
+        f"export RAY_HEAD_IP={HEAD_ADDRESS}", *each("gpu-worker", config["worker_start_ray_commands"]),
+        'python -c "$PROCESSES"'])
+    node = node_process(head, script, {"LOG_A_RUN": LOG_A_RUN, "PROCESSES": PROCESSES},
+                        programs={"vitsweep-secret": secret_store("aws")}, address=HEAD_ADDRESS)
+    stdout, stderr = node.communicate(timeout=600)
+    assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    *runs, facts = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    # every node logged a run to the head's server at the head's address, logged in as the training user,
+    # where a request without a login is refused (every route but /health needs one)
+    assert [run["node"] for run in runs] == ["head", "head-again", "gpu-worker"], stdout
+    assert {(run["uri"], run["user"], run["anonymous"]) for run in runs} == {
+        (f"http://{HEAD_ADDRESS}:5000", "vitsweep-train", 401)}
+    servers = [p for p in facts["processes"] if {"server", "--app-name"} <= set(p["cmdline"] or [])]
+    assert len(servers) == 1, servers  # the second `ray up` found it answering
+    assert "sqlite:////mnt/shared/mlflow/mlflow.db" in servers[0]["cmdline"]  # outlives `ray down`
+    assert facts["store_mode"] == "0o700" and "basic_auth.db" in facts["store"]
+    argv = " ".join(word for p in facts["processes"] for word in p["cmdline"] or [])
+    assert not [name for name, value in STAND_IN_SECRETS.items() if value in argv]  # no password in any argv
+
+
+def test_both_launchers_start_their_nodes_alike_each_with_its_own_secret_store():
+    aws, gcp = (yaml.safe_load((CLUSTER / name).read_text()) for name in LAUNCHERS)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert [command.replace(" aws ", " gcp ") for command in aws[key]] == gcp[key], key
