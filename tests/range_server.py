@@ -4,8 +4,8 @@ What an object store looks like to staging: each connection streams at a bounded
 connection gives ~100 MB/s), so only parallel ranged reads make a node's copy fast. The server counts
 the range requests in flight at once, and can hold them until that many are in flight (or until
 ``release()``), so a test can see the concurrency a client opens without timing anything. Every wait
-is bounded and it listens on 127.0.0.1 only. Used by ``tests/test_data_staging_http.py`` and
-``benchmarks/bench_staging.py``.
+is bounded and it listens on 127.0.0.1 only. Used by ``tests/test_data_staging_http.py``,
+``tests/test_dataset_verification.py``, ``benchmarks/bench_staging.py`` and ``benchmarks/bench_remote_verify.py``.
 """
 from __future__ import annotations
 
@@ -129,6 +129,9 @@ def _handler_for(server: RangeServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Length", str(length))
             self.send_header("Accept-Ranges", "bytes")
+            if status in (200, 206):  # the object's version, as a store's ETag names it (a rewrite changes it)
+                stat = (server.root / self.path.lstrip("/").split("?")[0]).stat()
+                self.send_header("ETag", f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"')
             if content_range:
                 self.send_header("Content-Range", content_range)
             self.end_headers()

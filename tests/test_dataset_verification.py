@@ -1,14 +1,20 @@
 """verify_dataset: a dataset's bytes match its sidecar before any worker starts, for a local path,
-a file:// URI and any other URI; an unchanged file is trusted from the record of its verification."""
+a file:// URI and any other URI (over HTTP: its chunks in parallel byte ranges, with a progress line);
+an unchanged file is trusted from the record of its verification, a remote one's kept on the shared
+run storage."""
 import json
 import os
+import re
 
 import fsspec
 import pytest
 
+from conftest import copy_with_sidecar
+from pipeline.data import verification
 from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError
-from pipeline.data.sidecar import sidecar_path
+from pipeline.data.sidecar import chunk_count, read_sidecar, sidecar_path
 from pipeline.data.verification import verify_dataset, verified_record_path
+from range_server import RangeServer
 
 
 @pytest.fixture
@@ -134,3 +140,56 @@ def test_an_unchanged_remote_file_is_trusted_from_its_record_by_size_and_version
     stored.seek(0)
     stored.write(_change_64_bytes_mid_file(pristine.read_bytes()))
     verify_dataset(uri, record)
+
+
+# --------------------------------------------------------------------------------------------------
+# A remote dataset behind an object store's HTTP interface (tests/range_server.py): its chunks read in
+# parallel byte ranges, once, and the record on the run storage every head shares
+# --------------------------------------------------------------------------------------------------
+
+CHUNK = 1 << 20  # the sidecars' chunk size here: 5 to 7 chunks of the digits file
+
+
+def test_a_remote_dataset_is_read_once_in_parallel_ranges_one_per_chunk(pristine, tmp_path):
+    remote = copy_with_sidecar(pristine, tmp_path / "bucket", CHUNK)
+    chunks = chunk_count(remote.stat().st_size, CHUNK)
+    assert chunks > 4  # more chunks than streams: the bound is what is seen
+    with RangeServer(remote.parent, hold_until_in_flight=4) as server:
+        assert verify_dataset(server.url(remote.name), tmp_path / "verified.json", streams=4) == read_sidecar(remote)
+    assert (server.peak_in_flight, server.ranges_served) == (4, chunks)
+    assert server.bytes_sent == remote.stat().st_size + sidecar_path(remote).stat().st_size  # each byte once
+
+
+def test_a_changed_chunk_of_a_remote_dataset_is_refused_naming_it_and_what_to_do(pristine, tmp_path):
+    remote = copy_with_sidecar(pristine, tmp_path / "bucket", CHUNK, flip_at=2 * CHUNK + 7)
+    with RangeServer(remote.parent) as server, pytest.raises(
+            ChecksumMismatchError, match=rf"chunk 2 \(bytes {2 * CHUNK}-{3 * CHUNK - 1}\).*write it again"):
+        verify_dataset(server.url(remote.name), tmp_path / "verified.json", streams=4)
+    assert not (tmp_path / "verified.json").exists()  # a refusal is not remembered
+
+
+def test_a_fresh_head_sharing_the_run_storage_does_not_read_a_verified_dataset_again(pristine, tmp_path, monkeypatch):
+    """A RayJob's head is new each time, its cache dir empty; the run storage is the shared volume."""
+    remote, storage = copy_with_sidecar(pristine, tmp_path / "bucket", CHUNK), tmp_path / "shared" / "vitsweep-runs"
+    with RangeServer(remote.parent) as server:
+        for head in ("first-head", "fresh-head"):
+            monkeypatch.setenv("VITSWEEP_CACHE_DIR", str(tmp_path / head / "nvme"))
+            verify_dataset(server.url(remote.name), streams=4, storage_path=str(storage))
+    assert server.ranges_served == chunk_count(remote.stat().st_size, CHUNK)  # the first head's pass only
+    assert list(json.loads((storage / "verified-datasets.json").read_text())) == [server.url(remote.name)]
+    assert not (tmp_path / "first-head").exists()
+
+
+def test_a_large_remote_dataset_shows_its_progress_then_its_rate(pristine, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(verification, "_SHOW_PROGRESS_FROM", 0)  # the digits file stands for a large one
+    monkeypatch.setattr(verification, "PROGRESS_EVERY_S", 0.0)  # a line per chunk
+    remote = copy_with_sidecar(pristine, tmp_path / "bucket", CHUNK)
+    with RangeServer(remote.parent) as server:
+        verify_dataset(server.url(remote.name), tmp_path / "verified.json", streams=2)
+    *progress, last = capsys.readouterr().out.splitlines()
+    gb = remote.stat().st_size / 1e9
+    assert len(progress) == chunk_count(remote.stat().st_size, CHUNK) - 1, progress  # all but the last chunk's
+    assert all(re.fullmatch(rf"verifying {remote.name}: [\d.]+ of {gb:.1f} GB \(\d+%\), \d+ MB/s, \d+:\d\d left", line)
+               for line in progress), progress
+    assert re.fullmatch(rf"verifying {remote.name}: {gb:.1f} GB checked in \d+ s \(\d+ MB/s, 2 ranged reads at once\)",
+                        last), last

@@ -6,9 +6,9 @@ One concern per module:
 - ``writing``   ``write_beton``: parallel, atomic writes of a source into a ``.beton`` and its sidecar
 - ``sidecar``   the JSON beside each ``.beton``: classes, counts, sizes, write options, SHA-256
 - ``integrity`` ``check_beton``: a ``.beton`` is whole and matches its sidecar, before training starts
-- ``verification`` ``verify_dataset``: a dataset anywhere checked against its sidecar, once per machine
+- ``verification`` ``verify_dataset``: a dataset anywhere checked against its sidecar, once per machine or shared run storage
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
-- ``ranged_copy`` ``copy_verified_ranges``: parallel ranged reads, each chunk verified as it lands
+- ``ranged_reads`` ``copy_verified_ranges`` / ``verify_ranges``: parallel ranged reads, each chunk verified as it lands
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
 - ``augment``   DeiT's recipe on the device: ``BatchAugment`` (random erasing, Mixup/CutMix), no FFCV
 - ``rand_augment_operation`` RandAugment as an FFCV pipeline operation

@@ -7,7 +7,7 @@ open, pyarrow's included) once into ``cache_dir``; the workers of that node shar
 
 - One copier per node: a file lock in ``cache_dir``; the others wait, then find the copy done.
 - Fast: the sidecar's chunks are read as byte ranges, ``data.stage_streams`` at once, each
-  verified against its digest as it lands (``pipeline/data/ranged_copy.py``).
+  verified against its digest as it lands (``pipeline/data/ranged_reads.py``).
 - A partial copy never counts: bytes go to a temporary name, removed if the copy fails or is
   interrupted (one left by a killed copier is removed by the next, under the lock); only a copy
   whose every digest matched the remote sidecar is renamed into place, and the sidecar, written
@@ -29,7 +29,7 @@ from filelock import FileLock
 from pipeline.config.schema import DataConfig
 from pipeline.atomic import PARTIAL_MARK, partial_path, publish
 from pipeline.data.integrity import CorruptDatasetError
-from pipeline.data.ranged_copy import copy_verified_ranges
+from pipeline.data.ranged_reads import copy_verified_ranges
 from pipeline.data.sidecar import SIDECAR_SUFFIX, Sidecar, SidecarError, parse_sidecar, read_sidecar, sidecar_path, write_sidecar
 from pipeline.errors import InvalidInputError
 from pipeline.uris import is_uri, redact

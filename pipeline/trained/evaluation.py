@@ -92,7 +92,7 @@ def plan_evaluation(given: str, data_location: str, cfg: ExperimentConfig, *, em
     source = resolve_model_source(given, storage_path=cfg.run.storage_path, tracking_uri=resolve_tracking_uri(cfg),
                                   ema=ema)
     card = source.require_card()
-    sidecar = verify_dataset(data_location)
+    sidecar = verify_dataset(data_location, streams=cfg.data.stage_streams, storage_path=cfg.run.storage_path)
     if sidecar.num_classes != card.num_classes:
         raise InvalidInputError(
             f"model source {given!r} classifies {card.num_classes} classes but dataset {data_location!r} has "

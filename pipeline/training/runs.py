@@ -143,7 +143,9 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
     prepare_offline_data(cfg)
     sidecars = {}
     for split in ("train", "val"):
-        sidecars[split] = verify_dataset(getattr(cfg.data, split))  # every byte, before any worker reads one
+        # every byte, before any worker reads one
+        sidecars[split] = verify_dataset(getattr(cfg.data, split), streams=cfg.data.stage_streams,
+                                         storage_path=cfg.run.storage_path)
     if sidecars["train"].num_classes != sidecars["val"].num_classes:
         raise InvalidInputError(
             f"data.train has {sidecars['train'].num_classes} classes but data.val has "
