@@ -309,6 +309,21 @@ def test_a_rayjob_gives_its_gpus_back_as_soon_as_the_run_ends():
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 0
 
 
+def test_a_rayjob_retried_on_a_new_cluster_continues_its_run_from_the_shared_volume():
+    """A retry (a lost head ends the Ray job with its cluster) runs the same entrypoint on a new cluster:
+    it resumes only if the job names its run and keeps it where every cluster mounts it."""
+    spec = one("RayJob")["spec"]
+    assert spec["backoffLimit"] == 1  # one: every failure is retried alike, bad input included
+    cfg = load_config(str(JOB))
+    assert cfg.run.name and "--set run.name" not in spec["entrypoint"]  # the same name on every try
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in head["volumes"]}
+    (container,) = [c for c in head["containers"] if c["name"].startswith("ray-head")]
+    shared = [mount["mountPath"] for mount in container["volumeMounts"]
+              if "persistentVolumeClaim" in volumes[mount["name"]]]
+    assert any(cfg.run.storage_path.startswith(path + "/") for path in shared), (cfg.run.storage_path, shared)
+
+
 def test_the_mlflow_server_spools_uploads_on_disk_and_keeps_its_auth_settings_in_memory():
     # Proxied artifact uploads are written whole to the server's temp dir before they go to the bucket.
     pod = one("Deployment", "mlflow")["spec"]["template"]["spec"]
