@@ -10,8 +10,10 @@ configured path and URI passes before anything is written there.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -41,7 +43,22 @@ def absolute(location: str | None) -> str | None:
     """A local path made absolute (Ray workers run in another working directory); URIs and None as given."""
     if location is None or is_uri(location):
         return location
-    return str(Path(location).expanduser().resolve())
+    return os.path.realpath(os.path.expanduser(location))  # unlike Path.resolve(), never raises on a symlink loop
+
+
+def special_file_kind(path: str | Path) -> str | None:
+    """What a local ``path`` that exists is when it is neither a regular file nor a directory (a FIFO, a
+    device, a socket, a symbolic link that loops or points nowhere); None otherwise, absent included."""
+    path = Path(path)
+    if not os.path.lexists(path) or path.is_file() or path.is_dir():
+        return None
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:  # the link itself exists; what it points to cannot be reached
+        return "a symbolic link that loops" if err.errno == errno.ELOOP else "a symbolic link to nothing"
+    kinds = {stat.S_ISFIFO: "a named pipe (FIFO)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISSOCK: "a socket"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "a special file")
 
 
 def join(location: str, *parts: str) -> str:

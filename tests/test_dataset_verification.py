@@ -5,6 +5,7 @@ run storage."""
 import json
 import os
 import re
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -14,6 +15,7 @@ from pipeline.data import verification
 from pipeline.data.integrity import ChecksumMismatchError, CorruptDatasetError
 from pipeline.data.sidecar import chunk_count, read_sidecar, sidecar_path
 from pipeline.data.verification import verify_dataset, verified_record_path
+from pipeline.errors import InvalidInputError
 from range_server import RangeServer
 
 
@@ -110,6 +112,13 @@ def test_a_sidecar_beside_another_file_is_refused_naming_both(beton, tmp_path):
     sidecar_path(beton).rename(sidecar_path(renamed))
     with pytest.raises(CorruptDatasetError, match=r"describes 'val.beton', not 'other.beton'"):
         verify_dataset(str(renamed), tmp_path / "verified.json")
+
+
+def test_a_dataset_path_that_is_no_file_is_named_as_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "train.beton")
+    for given, kind in ((tmp_path / "train.beton", "a named pipe (FIFO)"), (Path("/dev/null"), "a character device")):
+        with pytest.raises(InvalidInputError, match=re.escape(f"dataset {str(given)!r} is {kind}, not a .beton file")):
+            verify_dataset(str(given), tmp_path / "verified.json")
 
 
 def test_the_record_lives_in_the_node_cache_dir_when_the_cluster_sets_one(tmp_path, monkeypatch):

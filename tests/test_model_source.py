@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
+from conftest import refused_in_process
+from pipeline.cli import main
 from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, CorruptCheckpointError, model_identity,
     save_checkpoint, save_final_weights, use_weights_only_loading)
 from pipeline.config.loading import load_config
@@ -443,3 +445,81 @@ def test_a_run_records_where_its_weights_came_from_with_the_source_model_as_its_
     recorded = json.loads(tracking.read_artifact(PLAN_ARTIFACT))
     assert recorded["reset"] == {"head.bias": "classifier, 10 -> 4 classes", "head.weight": "classifier, 10 -> 4 classes"}
     assert set(recorded["loaded"]) == set(init.plan.loaded) and recorded["source"]["model_id"] == trained.model_id
+
+
+# -- bad input to every command that takes a source: one line, exit 2, nothing written ----------------
+
+JUNK_MLMODELS = {"not YAML": "flavors: [\n", "YAML, not a mapping": "just a string\n",
+                 "a mapping without MLflow's keys": "weights: 3\n"}
+
+
+@pytest.fixture(params=list(JUNK_MLMODELS), ids=list(JUNK_MLMODELS))
+def junk_model_directory(request, tmp_path) -> Path:
+    """A directory holding an ``MLmodel`` file that MLflow cannot read as a model's description."""
+    directory = tmp_path / "junk-model"
+    directory.mkdir()
+    (directory / "MLmodel").write_text(JUNK_MLMODELS[request.param])
+    return directory
+
+
+@pytest.mark.parametrize("command", [
+    ["register", "{source}", "junk"], ["predict", "{source}", "{image}"],
+    ["train", "--config", "smoke", "--set", "model.init_from={source}"],
+    ["config", "validate", "--config", "smoke", "--set", "model.init_from={source}"]],
+    ids=["register", "predict", "train init_from", "config validate"])
+def test_a_directory_with_a_junk_mlmodel_is_refused_in_one_line_naming_it(junk_model_directory, tmp_path, command,
+                                                                          capsys):
+    from PIL import Image
+
+    storage, image = tmp_path / "runs", tmp_path / "image.png"
+    Image.new("RGB", (16, 16)).save(image)
+    args = [word.format(source=junk_model_directory, image=image) for word in command]
+    err = refused_in_process([*args, "--set", f"run.storage_path={storage}"], capsys)
+    line, = err.strip().splitlines()
+    assert str(junk_model_directory) in line and ("is not an MLflow model description" in line
+                                                  or "was not logged by vitsweep" in line), line
+    assert not storage.exists()  # no store, no run directory
+
+
+def test_config_validate_resolves_init_from_as_train_does(trained, capsys):
+    settings = ["--set", f"run.storage_path={trained.storage}", "--set", f"tracking.mlflow_uri={trained.uri}",
+                "--set", "model.args.qkv=fsne", "--set", "model.args.code_size=8"]  # the trained run's model
+    assert main(["config", "validate", "--config", "smoke", "--set", "model.init_from=no-such-run", *settings]) == 2
+    assert "'no-such-run' does not exist" in capsys.readouterr().err
+    assert main(["config", "validate", "--config", "smoke", "--set", f"model.init_from={trained.run_dir}",
+                 *settings]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config ok: ") and f"; starts from {trained.run_dir}" in out and "weights loaded" in out
+
+
+def _special_path(kind: str, directory: Path) -> Path:
+    path = directory / kind.replace(" ", "-")
+    if kind == "a named pipe (FIFO)":
+        os.mkfifo(path)
+    elif kind == "a symbolic link that loops":
+        path.symlink_to(path.name)
+    elif kind == "a symbolic link to nothing":
+        path.symlink_to(directory / "missing")
+    else:
+        return Path("/dev/null")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["a named pipe (FIFO)", "a symbolic link that loops", "a symbolic link to nothing",
+                                  "a character device"])
+def test_a_path_that_exists_but_is_no_file_or_directory_is_named_as_what_it_is(trained, tmp_path, kind):
+    path = _special_path(kind, tmp_path)
+    with pytest.raises(InvalidInputError, match=re.escape(f"{str(path)!r} is {kind}, not a file or directory")):
+        resolve(trained, str(path))
+
+
+@pytest.mark.parametrize("name, head, kind", [("photo.png", b"\x89PNG\r\n\x1a\n", "a PNG image"),
+                                              ("photo.pt", b"\xff\xd8\xff\xe0", "a JPEG image"),
+                                              ("notes.pth", b"weights: none\n", "not a torch file")])
+def test_a_file_that_is_no_torch_file_is_named_as_such_not_as_a_pickle(trained, tmp_path, name, head, kind):
+    path = tmp_path / name
+    path.write_bytes(head + bytes(64))
+    with pytest.raises(InvalidInputError, match=re.escape(f"is neither safetensors (by its name) nor a torch file "
+                                                          f"({kind})")) as refused:
+        resolve(trained, str(path))
+    assert "unpickle" not in str(refused.value)

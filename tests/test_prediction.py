@@ -3,6 +3,7 @@ would see them; an unreadable file is named and skipped, exit 1 when none could 
 input (a missing source, a folder without images, a top-k the model cannot give) is exit 2. Agreement
 with `vitsweep evaluate` on a trained run's validation images: tests/test_after_training.py."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -65,10 +66,14 @@ def test_no_readable_image_at_all_exits_1(logged_run, images, capsys):
 @pytest.mark.parametrize("given, message", [
     ("empty", "directory '{root}/empty' holds no image files"),
     ("missing.png", "image '{root}/missing.png' does not exist"),
+    ("pipe.png", "image '{root}/pipe.png' is a named pipe (FIFO), not an image file"),
+    ("loop.png", "image '{root}/loop.png' is a symbolic link that loops, not an image file"),
 ])
 def test_a_folder_without_images_or_a_missing_file_is_bad_input(logged_run, tmp_path, capsys, given, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("no image here")
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "loop.png").symlink_to("loop.png")
     assert _predict(logged_run, str(tmp_path / given)) == EXIT_INVALID_INPUT
     assert message.format(root=tmp_path) in capsys.readouterr().err
 

@@ -124,12 +124,15 @@ def test_a_sweep_with_no_trial_that_trained_every_epoch_is_refused_naming_its_tr
     ("ok", "latest", "'latest' alias name (case insensitive) is reserved"),
     ("ok", "v2", "Version alias name 'v2' is reserved"),
     ("ok", "no spaces", "Names may only contain alphanumerics"),
+    # what MLflow leaves to its database (SQLite keeps 300 characters; PostgreSQL refuses them) or to the reader
+    ("n" * 257, None, "MLflow's registry holds names of up to 256 characters"),
+    ("ok", "3", "an alias of digits reads as a version number (models:/ok/3 is version 3)"),
 ])
 def test_names_mlflow_refuses_are_refused_before_anything_is_registered(logged_run, capsys, name, alias, message):
     before = MlflowClient(logged_run.uri).search_registered_models()
     assert _register(logged_run.uri, logged_run.model_uri, name, *(["--alias", alias] if alias else [])) == \
         EXIT_INVALID_INPUT
-    assert f"cannot register as {name!r}" in (err := capsys.readouterr().err) and message in err
+    assert "cannot register as " in (err := capsys.readouterr().err) and message in err
     assert MlflowClient(logged_run.uri).search_registered_models() == before
 
 

@@ -183,6 +183,14 @@ def test_compare_of_an_unknown_experiment_exits_2_listing_the_known_ones(tmp_pat
     assert "experiments: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("store", ["run.storage_path={tmp}/fresh", "tracking.mlflow_uri=sqlite:///{tmp}/none/store.db"],
+                         ids=["a fresh directory", "a sqlite path that does not exist"])
+def test_compare_of_a_store_that_does_not_exist_exits_2_and_writes_nothing(tmp_path, capsys, store):
+    assert main(["compare", "vitsweep", "--set", store.format(tmp=tmp_path)]) == EXIT_INVALID_INPUT
+    assert "nothing was recorded there" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sweep_record_round_trips_on_a_local_path_and_a_uri(tmp_path):
     from pipeline.uris import read_bytes, write_bytes
 

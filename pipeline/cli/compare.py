@@ -44,9 +44,12 @@ def _run(args: argparse.Namespace) -> int:
     from pipeline.sweeps.spaces import spaces_from_record
     from pipeline.sweeps.tracking import ROLE_TAG
     from pipeline.tracking.store import MlflowStore
-    from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
+    from pipeline.tracking.connection import is_new_local_store, require_reachable, resolve_tracking_uri
 
     uri = resolve_tracking_uri(load_config(args.config, args.overrides))
+    if is_new_local_store(uri):  # opening it would create it: compare only reads
+        raise InvalidInputError(f"no MLflow store at {uri}: nothing was recorded there; give the store a sweep wrote "
+                                "(tracking.mlflow_uri, MLFLOW_TRACKING_URI, or the run.storage_path it trained under)")
     require_reachable(uri)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # keep the table's output clean
     store = MlflowStore(uri)

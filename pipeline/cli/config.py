@@ -80,6 +80,22 @@ def _validate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     params = check_model(cfg.model)
+    start = f"; starts from {_initial_weights(cfg)}" if cfg.model.init_from else ""
     print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes); "
-          f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}")
+          f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}{start}")
     return 0
+
+
+def _initial_weights(cfg) -> str:
+    """``model.init_from`` resolved and fitted to the model as `train` checks it (InvalidInputError naming
+    what does not), at the source's own class count (a bare weights file: the 1000 validated above):
+    validating reads no dataset."""
+    from pipeline.tracking.connection import resolve_tracking_uri
+    from pipeline.trained.model_source import resolve_model_source
+    from pipeline.trained.transfer import plan_transfer, shapes_of
+
+    cfg = cfg.with_absolute_paths()
+    source = resolve_model_source(cfg.model.init_from, storage_path=cfg.run.storage_path,
+                                  tracking_uri=resolve_tracking_uri(cfg), ema=cfg.model.init_ema)
+    classes = source.card.num_classes if source.card else 1000
+    return plan_transfer(shapes_of(source.weights), source.card, source.provenance, cfg.model, classes).summary()

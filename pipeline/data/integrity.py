@@ -16,6 +16,7 @@ import numpy as np
 import pipeline.data.runtime  # noqa: F401  (first: imports ffcv keeping torch's thread count)
 from pipeline.data.sidecar import Sidecar, chunk_sha256s, read_sidecar, sha256_of
 from pipeline.errors import InvalidInputError
+from pipeline.uris import special_file_kind
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
 from ffcv.fields import IntField, RGBImageField
@@ -48,11 +49,16 @@ class BetonContents:
         return len(self.labels)
 
 
+def _not_there(path: Path) -> str:
+    special = special_file_kind(path)
+    return f"is {special}, not a .beton file" if special else "does not exist"
+
+
 def read_contents(path: str | Path) -> BetonContents:
     """Open ``path`` with ffcv's Reader and check every structure a Loader follows."""
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"dataset {str(path)!r} does not exist")
+        raise InvalidInputError(f"dataset {str(path)!r} {_not_there(path)}")
     size = path.stat().st_size
 
     def corrupt(problem: str) -> CorruptDatasetError:
@@ -114,7 +120,7 @@ def check_beton(path: str | Path, sidecar: Sidecar | None = None, verify_checksu
     """
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"dataset {str(path)!r} does not exist")
+        raise InvalidInputError(f"dataset {str(path)!r} {_not_there(path)}")
     sidecar = sidecar or read_sidecar(path)
     check_sidecar_names(sidecar, path.name, str(path))
     size = path.stat().st_size

@@ -140,6 +140,9 @@ def resolve_model_source(given: str, *, storage_path: str | Path, tracking_uri: 
     run_dir = Path(storage).expanduser().absolute() / given
     if Path(given).name == given and not uris.is_uri(storage) and run_dir.is_dir():
         return _run_source(given, run_dir, "run_name", ema)
+    if special := uris.special_file_kind(path):
+        raise InvalidInputError(f"model source {given!r}: {str(path)!r} is {special}, not a file or directory; "
+                                f"a source is {FORMS}")
     remote = " (a URI: a run is looked up by name in a local storage path only)" if uris.is_uri(storage) else ""
     raise InvalidInputError(f"model source {given!r} does not exist: it is no file or directory, and no run "
                             f"{given!r} is under run.storage_path {storage}{remote}; a source is {FORMS}")
@@ -233,8 +236,20 @@ def _read_safetensors(given: str, path: Path) -> dict[str, torch.Tensor]:
     return _cpu_fp32(state)
 
 
+# What a file that is not a torch file often is, by its first bytes (torch.save writes a zip archive, or
+# before torch 1.6 a pickle, whose first byte is 0x80).
+_OTHER_FORMATS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image",
+                  b"%PDF": "a PDF document", b"\x1f\x8b": "gzip-compressed"}
+
+
 def _read_state_dict(given: str, path: Path, ema: bool) -> dict[str, torch.Tensor]:
     """A torch file loaded weights-only: a state dict, bare or under timm's checkpoint keys."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):
+        kind = next((name for magic, name in _OTHER_FORMATS.items() if head.startswith(magic)), "not a torch file")
+        raise InvalidInputError(f"model source {given!r}: {str(path)!r} is neither safetensors (by its name) nor a "
+                                f"torch file ({kind}); a source is {FORMS}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -364,7 +379,6 @@ def _download(given: str, artifact_uri: str, directory: str, tracking_uri: str) 
 def read_logged_model_directory(directory: str | Path, ema: bool = False, given: str | None = None) -> ModelSource:
     """A vitsweep MLflow model on disk (``MLmodel`` + ``extra_files/``): its weights, card and the run
     and logged model it names; InvalidInputError when it is not one."""
-    from mlflow.models import Model
 
     directory = Path(directory)
     given = given or str(directory)
@@ -375,7 +389,7 @@ def read_logged_model_directory(directory: str | Path, ema: bool = False, given:
                   else f"was not logged by vitsweep (no card in its MLmodel metadata, or no {LOGGED_MODEL_FILES}/"
                        f"{WEIGHTS_FILE})")
         raise InvalidInputError(f"model source {given!r}: MLflow model directory {str(directory)!r} {reason}")
-    logged = Model.load(str(directory / MLMODEL_FILE))
+    logged = _load_mlmodel(given, directory / MLMODEL_FILE)
     provenance = Provenance(given, "mlflow_model_dir", str(wanted), ema, run_id=logged.run_id,
                             model_id=getattr(logged, "model_id", None))
     return ModelSource(_read_safetensors(given, wanted), card, provenance)
@@ -383,7 +397,17 @@ def read_logged_model_directory(directory: str | Path, ema: bool = False, given:
 
 def _logged_card(given: str, mlmodel: Path) -> ModelCard | None:
     """The card in an MLflow model's metadata (None: logged without one)."""
+    record = (_load_mlmodel(given, mlmodel).metadata or {}).get(MLFLOW_METADATA_KEY)
+    return None if record is None else ModelCard.from_dict(record, f"model source {given!r}: its MLflow model")
+
+
+def _load_mlmodel(given: str, mlmodel: Path):
+    """An ``MLmodel`` file read as MLflow does; InvalidInputError naming it when it is not one."""
     from mlflow.models import Model
 
-    record = (Model.load(str(mlmodel)).metadata or {}).get(MLFLOW_METADATA_KEY)
-    return None if record is None else ModelCard.from_dict(record, f"model source {given!r}: its MLflow model")
+    try:
+        return Model.load(str(mlmodel))
+    except Exception as err:  # noqa: BLE001  (YAML's, MLflow's and a wrong shape's errors alike: not an MLflow model)
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise InvalidInputError(f"model source {given!r}: {str(mlmodel)!r} is not an MLflow model description "
+                                f"({type(err).__name__}: {reason})") from None

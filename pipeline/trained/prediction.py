@@ -17,6 +17,7 @@ from PIL import Image
 from torch import nn
 
 from pipeline.data.images import UnreadableImageError, read_image, to_model_input
+from pipeline import uris
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import EvalPreprocessing, ModelCard
 from pipeline.trained.model_source import ModelSource
@@ -95,7 +96,9 @@ def image_files(inputs: Sequence[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise InvalidInputError(f"image {given!r} does not exist")
+            special = uris.special_file_kind(path)
+            raise InvalidInputError(f"image {given!r} " + (f"is {special}, not an image file" if special
+                                                           else "does not exist"))
     return files
 
 

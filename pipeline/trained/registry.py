@@ -43,16 +43,27 @@ class Registration:
         return f"models:/{self.name}@{self.alias}" if self.alias else f"models:/{self.name}/{self.version}"
 
 
+MAX_NAME_LENGTH = 256  # MLflow's registry schema (registered_models.name, String(256)); SQLite alone does not enforce it
+
+
 def check_registry_names(name: str, alias: str | None) -> None:
-    """MLflow's own rules for a registered model's name and an alias, as bad input naming the value."""
+    """MLflow's own rules for a registered model's name and an alias, as bad input naming the value; and
+    those MLflow leaves to its database or to the reader: a name its schema holds on every backend, an
+    alias that cannot be read as a version number (``models:/NAME@3`` beside ``models:/NAME/3``)."""
+    refused = f"cannot register as {name!r}" + (f" with alias {alias!r}" if alias else "")
     try:
         _validate_model_name(name)
         if alias is not None:
             _validate_model_alias_name(alias)
             _validate_model_alias_name_reserved(alias)
     except MlflowException as err:
-        raise InvalidInputError(f"cannot register as {name!r}" + (f" with alias {alias!r}" if alias else "")
-                                + f": {err.message}") from None
+        raise InvalidInputError(f"{refused}: {err.message}") from None
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidInputError(f"cannot register as a {len(name)}-character name: MLflow's registry holds names of "
+                                f"up to {MAX_NAME_LENGTH} characters")
+    if alias is not None and alias.isdigit():
+        raise InvalidInputError(f"{refused}: an alias of digits reads as a version number (models:/{name}/{alias} is "
+                                f"version {alias}); give it a word, e.g. 'best' or 'champion'")
 
 
 def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = None) -> Registration:
