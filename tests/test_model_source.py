@@ -288,6 +288,32 @@ def test_a_registered_alias_gives_its_versions_model_and_its_ema(trained):
     assert source.card == trained.card
 
 
+def test_an_alias_on_the_older_of_two_versions_gives_that_versions_weights_not_the_latest(trained, tmp_path):
+    """Version 2 holds other weights (the run's plus one); the alias stays on version 1."""
+    from safetensors.torch import save_model
+
+    from pipeline.trained.serving import log_model
+
+    model = resolve(trained, f"models:/{REGISTERED}/1").build()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    save_model(model, str(tmp_path / WEIGHTS_FILE))
+    other = MlflowStore(trained.uri).create_run("vitsweep", "other-weights")
+    log_model(other, model, [tmp_path / WEIGHTS_FILE], trained.card, step=1)
+    other.end("FINISHED", "completed")
+    with pytest.MonkeyPatch.context() as patch:  # MLflow's registry finds the logged model through the global URI
+        patch.setenv("MLFLOW_TRACKING_URI", trained.uri)
+        first = mlflow.register_model(f"runs:/{trained.run_id}/model", "two-versions").version
+        mlflow.register_model(f"runs:/{other.run_id}/model", "two-versions")
+    MlflowClient(trained.uri).set_registered_model_alias("two-versions", "older", first)
+    source = resolve(trained, "models:/two-versions@older")
+    assert (source.provenance.registered_version, source.provenance.run_id) == ("1", trained.run_id)
+    assert_same_weights(source.weights, trained.weights["final"])
+    assert not torch.equal(resolve(trained, "models:/two-versions/2").weights[SHARED_CODE],
+                           trained.weights["final"][SHARED_CODE])  # the latest is another model
+
+
 def test_a_downloaded_mlflow_model_directory_gives_its_weights_card_and_lineage(trained, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", trained.uri)  # MLflow finds a models:/<model_id> through it
     local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{trained.model_id}", dst_path=str(tmp_path))

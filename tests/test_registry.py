@@ -74,35 +74,54 @@ def trained_weights(tmp_path_factory):
     return model, path, ModelCard.of_run(cfg, 10)
 
 
-def _sweep(tmp_path, trained_weights, trials: dict[str, tuple[str, float]]) -> str:
+def _sweep(tmp_path, trained_weights, trials: dict[str, tuple[str, float]], metric: str = "val_top1") -> str:
     """A sweep as `vitsweep tune` leaves it: its directory's record and its MLflow parent run, with a child
-    run per trial (``trial_id: (stop reason, val_top1)``); trials that trained every epoch logged their model."""
+    run per trial (``trial_id: (stop reason, metric)``), started in that order; trials that trained every
+    epoch logged their model."""
     store = f"sqlite:///{tmp_path}/mlflow.db"
     parent = open_parent_run(store, "vitsweep", "lr-sweep")
     model, weights, card = trained_weights
-    for trial_id, (reason, top1) in trials.items():
-        child = open_child_run(store, "vitsweep", parent.run_id, "lr-sweep", trial_id, trial_id, {"optim.lr": top1})
-        child.log_metrics({"val_top1": top1}, step=1)
+    for trial_id, (reason, value) in trials.items():
+        child = open_child_run(store, "vitsweep", parent.run_id, "lr-sweep", trial_id, trial_id, {"optim.lr": value})
+        child.log_metrics({metric: value}, step=1)
         if reason == "completed":
             log_model(child, model, [weights], card, step=1)
         child.end("FINISHED", reason)
     parent.finish("FINISHED")
+    base = load_config("smoke", [f"run.storage_path={tmp_path}", f"tune.metric={metric}"])
     record = {"name": "lr-sweep", "tracking_uri": store, "parent_run_id": parent.run_id,
-              "base_config": load_config("smoke", [f"run.storage_path={tmp_path}"]).model_dump(mode="json")}
+              "base_config": base.model_dump(mode="json")}
     (tmp_path / "lr-sweep").mkdir()
     (tmp_path / "lr-sweep" / "vitsweep_sweep.json").write_text(json.dumps(record))
     return store
 
 
+# The best trial is neither the first nor the last started (nor the newest completed), and a stopped trial
+# scores higher than any completed one: only "the completed trial with the best value, by the sweep's
+# mode" picks it.
+COMPLETED_AROUND_THE_BEST = {"t1": ("completed", 40.0), "t2": ("completed", 70.0), "t3": ("completed", 55.0),
+                             "t4": ("early_stopped: ASHA stopped it after epoch 1 of 2", 90.0),
+                             "t5": ("completed", 50.0)}
+
+
 def test_a_sweep_stands_for_its_best_trial_that_trained_every_epoch(tmp_path, trained_weights, capsys):
-    store = _sweep(tmp_path, trained_weights, {"t1": ("completed", 40.0), "t2": ("completed", 60.0),
-                                               "t3": ("early_stopped: ASHA stopped it after epoch 1 of 2", 90.0)})
+    store = _sweep(tmp_path, trained_weights, COMPLETED_AROUND_THE_BEST)
     assert main(["register", "lr-sweep", "lr-best", "--set", f"run.storage_path={tmp_path}"]) == 0
     (version,) = _versions(store, "lr-best")
-    assert (version.tags["trial_id"], version.tags["sweep"], version.tags["val_top1"]) == ("t2", "lr-sweep", "60")
-    assert json.loads(version.tags["knobs"]) == {"optim.lr": 60.0}
+    assert (version.tags["trial_id"], version.tags["sweep"], version.tags["val_top1"]) == ("t2", "lr-sweep", "70")
+    assert json.loads(version.tags["knobs"]) == {"optim.lr": 70.0}
     assert "trial t2 of sweep `lr-sweep`" in version.description
     assert f"load it as: models:/lr-best/1 (MLflow store {store})" in capsys.readouterr().out
+
+
+def test_a_min_mode_sweep_stands_for_its_lowest_trial(tmp_path, trained_weights):
+    # a loss is minimised (tune.mode follows tune.metric): the lowest completed loss is t3's, in the middle
+    losses = {"t1": ("completed", 2.0), "t2": ("completed", 3.0), "t3": ("completed", 0.8),
+              "t4": ("early_stopped: ASHA stopped it after epoch 1 of 2", 0.1), "t5": ("completed", 1.2)}
+    store = _sweep(tmp_path, trained_weights, losses, metric="val_loss")
+    assert main(["register", "lr-sweep", "lr-lowest", "--set", f"run.storage_path={tmp_path}"]) == 0
+    (version,) = _versions(store, "lr-lowest")
+    assert version.tags["trial_id"] == "t3" and json.loads(version.tags["knobs"]) == {"optim.lr": 0.8}
 
 
 def test_a_sweep_with_no_trial_that_trained_every_epoch_is_refused_naming_its_trials(tmp_path, trained_weights,
