@@ -26,13 +26,16 @@ from pipeline.trained.serving import log_model, pip_requirements
 from pipeline.tracking.store import MlflowStore
 
 CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+MEAN, STD, CROP = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7), 0.5
 
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
-    """(store URI, model URI, the module) of a run that logged a smoke model evaluated at a 0.875 crop."""
+    """(store URI, model URI, the module) of a run that logged a smoke model evaluated at a 0.5 crop with its
+    own mean and std (none of them the defaults)."""
     root = tmp_path_factory.mktemp("served")
-    cfg = load_config("smoke", [f"run.storage_path={root}", "data.val_crop_ratio=0.875"])
+    cfg = load_config("smoke", [f"run.storage_path={root}", f"data.val_crop_ratio={CROP}", f"data.mean={list(MEAN)}",
+                                f"data.std={list(STD)}"])
     torch.manual_seed(0)
     model = build_model(cfg.model, len(CLASSES)).eval()
     save_model(model, str(root / "model.safetensors"))
@@ -55,11 +58,20 @@ def _png(array: np.ndarray) -> bytes:
 
 
 IMAGES = [np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-          for seed, shape in enumerate([(16, 16, 3), (30, 21, 3), (64, 64, 3)])]
+          for seed, shape in enumerate([(32, 32, 3), (30, 21, 3), (64, 64, 3)])]
+
+
+def _by_hand(model, image: np.ndarray) -> np.ndarray:
+    """A 32 px image's class probabilities as the card says, computed without vitsweep: its central 16 px
+    square (ratio 0.5, unresized at the model's 16 px), to 0-1, minus the mean, over the std."""
+    crop = image[8:24, 8:24].astype(np.float64) / 255.0
+    normalised = ((crop - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1)[None]
+    with torch.no_grad():
+        return torch.softmax(model(torch.tensor(normalised, dtype=torch.float32)), dim=1)[0].numpy()
 
 
 def test_the_pyfunc_classifies_encoded_images_and_arrays_as_predict_does(in_store):
-    uri, model_uri, _ = in_store
+    uri, model_uri, model = in_store
     served = mlflow.pyfunc.load_model(model_uri).predict(
         pd.DataFrame({"image": [_png(IMAGES[0]), IMAGES[1], _png(IMAGES[2])]}), params={"topk": 3})
     expected = ImageClassifier.of(resolve_model_source(model_uri, storage_path=".", tracking_uri=uri)).classify(IMAGES, 3)
@@ -68,6 +80,12 @@ def test_the_pyfunc_classifies_encoded_images_and_arrays_as_predict_does(in_stor
         assert list(row.labels) == list(prediction.labels) and set(row.labels) <= set(CLASSES)
         assert list(row.classes) == list(prediction.classes)
         np.testing.assert_allclose(row.probabilities, prediction.probabilities, rtol=1e-6)
+    # and the first against the card's preprocessing computed by hand (predict's engine is no oracle for it)
+    expected_first = _by_hand(model, IMAGES[0])
+    top = np.argsort(-expected_first)[:3]
+    first = served.iloc[0]
+    assert list(first["labels"]) == [CLASSES[index] for index in top]
+    np.testing.assert_allclose(first["probabilities"], expected_first[top], atol=1e-5)
 
 
 def test_the_pyfunc_returns_five_classes_unless_asked(in_store):
