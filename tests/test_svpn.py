@@ -91,6 +91,18 @@ def test_approx_svpn_applies_eps_to_the_remainder_only_as_released(num_sv, iters
     torch.testing.assert_close(q_ours.grad, q_released.grad, rtol=1e-9, atol=0)
 
 
+@pytest.mark.parametrize("scale", [1e-6, 1e-8, 1e-10], ids=["1e-6", "1e-8", "1e-10"])
+@pytest.mark.parametrize("num_sv, iters", [(1, 1), (2, 2)])
+def test_approx_svpn_matches_the_released_code_at_tiny_scales(scale, num_sv, iters):
+    # The released code normalises Q v and then Q^T u, each to a floor of 1e-12 (F.normalize): the second
+    # norm is about the singular value itself, so the floor is reached only below sigma_1 = 1e-12.
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 6, 5, generator=g, dtype=torch.float64) * scale
+    v0 = torch.randn(5, generator=g, dtype=torch.float64)
+    ours = svpn_approx(q, v0, alpha=0.5, num_sv=num_sv, iters=iters, eps=1e-5)
+    torch.testing.assert_close(ours, _released_svpn_approx(q, v0, 0.5, num_sv, iters, 1e-5), rtol=1e-9, atol=0)
+
+
 def test_exact_svpn_gradient_is_finite_for_repeated_singular_values():
     q = (torch.eye(6, dtype=torch.float64) * 2.0).repeat(3, 1, 1).requires_grad_()
     out = svpn_exact(q, 0.5)

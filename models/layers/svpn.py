@@ -146,16 +146,17 @@ def _leading_triplet(q: torch.Tensor, v0: torch.Tensor, iters: int) -> tuple[tor
     # Speed (benchmarks/bench_svpn.py): the shared v⁽⁰⁾ makes the first mat-vec one matrix-vector
     # product over all B x m rows; per-matrix mat-vecs are broadcast multiply + sum, because a batched
     # matmul of [B, m, n] by [B, n, 1] is dominated by per-matrix GEMM overhead at MGCrP's small m x n.
-    qv = q @ v0  # every deflation step restarts from v⁽⁰⁾ (Eq. 6); Q v⁽ʲ⁾ = ‖Q v⁽ʲ⁾‖ u⁽ʲ⁺¹⁾, [B, m]
+    # Each vector is normalised to a floor of 1e-12 as the released code's F.normalize does: u from Q v, then
+    # v from Qᵀ u, whose norm is about λ̂ itself (normalising Qᵀ Q v instead would put the floor at ~λ̂²).
+    qv = q @ v0  # every deflation step restarts from v⁽⁰⁾ (Eq. 6), [B, m]
     for step in range(iters):
-        qv_norm = qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        qt_qv = (q * qv.unsqueeze(-1)).sum(-2)  # Qᵀ Q v⁽ʲ⁾, [B, n]
-        qt_qv_norm = qt_qv.norm(dim=-1, keepdim=True)
-        lam = qt_qv_norm / qv_norm  # λ̂ = ‖Qᵀ u⁽ʲ⁺¹⁾‖ (Eq. 6), without normalising u first
-        v = qt_qv / qt_qv_norm.clamp_min(1e-12)
+        u = qv / qv.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # u⁽ʲ⁺¹⁾
+        qt_u = (q * u.unsqueeze(-1)).sum(-2)  # Qᵀ u⁽ʲ⁺¹⁾, [B, n]
+        v = qt_u / qt_u.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # v⁽ʲ⁺¹⁾
         if step + 1 < iters:
             qv = (q * v.unsqueeze(-2)).sum(-1)
-    return lam.unsqueeze(-1), (qv / qv_norm).unsqueeze(-1), v.unsqueeze(-2)
+    lam = (qt_u * v).sum(-1, keepdim=True)  # λ̂ = uᵀ Q v = ‖Qᵀ u‖ (Eq. 6), the released code's estimate
+    return lam.unsqueeze(-1), u.unsqueeze(-1), v.unsqueeze(-2)
 
 
 class SvPN(nn.Module):
