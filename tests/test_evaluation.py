@@ -22,6 +22,7 @@ from pipeline.data.writing import write_beton
 from pipeline.trained.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
+from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
 from test_data_images import NoiseSource
 
 
@@ -194,34 +195,17 @@ def test_evaluate_feeds_the_model_as_its_card_says_in_eval_mode_each_sample_once
     """A model whose card evaluates 16 px at a 0.5 crop with its own mean and std, on 32 px images: each
     sample's input is its central 16 px square (unresized) normalised by hand; the model in eval mode
     (its convolutional stem's BatchNorm uses its running statistics); 21 samples in batches of 8."""
-    from test_prediction import CARD_CROP, CARD_MEAN, CARD_STD
-
-    from pipeline.components.model_card import ModelCard
-    from pipeline.components.modeling import build_model
-    from pipeline.config.loading import load_config
-    from pipeline.tracking.store import MlflowStore
-    from pipeline.trained.serving import log_model
-    from safetensors.torch import save_model
-
     source = Squares32()
     write_beton(source, tmp_path / "squares.beton", WriteOptions(write_mode="raw"), num_workers=1)
-    cfg = load_config("smoke", [f"data.mean={list(CARD_MEAN)}", f"data.std={list(CARD_STD)}",
-                                f"data.val_crop_ratio={CARD_CROP}"])
-    torch.manual_seed(3)
-    model = build_model(cfg.model, 10)
+    model = carded_smoke_model(10, seed=3)
     with torch.no_grad():  # running statistics far from a batch's own: train mode would give other logits
         for module in model.modules():
             if isinstance(module, torch.nn.BatchNorm2d):
                 module.running_mean.uniform_(-0.5, 0.5)
                 module.running_var.uniform_(2.0, 3.0)
-    model.eval()
-    save_model(model, str(tmp_path / "model.safetensors"))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run = MlflowStore(uri).create_run("vitsweep", "carded")
-    log_model(run, model, [tmp_path / "model.safetensors"], ModelCard.of_run(cfg, 10, source.classes), step=1)
-    run.end("FINISHED", "completed")
+    uri, model_uri = log_in_new_store(tmp_path, model, source.classes)
 
-    assert main(["evaluate", f"runs:/{run.run_id}/model", "--data", str(tmp_path / "squares.beton"),
+    assert main(["evaluate", model_uri, "--data", str(tmp_path / "squares.beton"),
                  "--batch-size", "8", "--set", f"tracking.mlflow_uri={uri}",
                  "--set", f"run.storage_path={tmp_path}"]) == 0
     capsys.readouterr()
@@ -231,10 +215,7 @@ def test_evaluate_feeds_the_model_as_its_card_says_in_eval_mode_each_sample_once
     rows = list(csv.DictReader(io.StringIO(Path(client.download_artifacts(
         evaluation.info.run_id, "predictions.csv", str(tmp_path))).read_text())))
 
-    images = np.stack([source.load_image(index) for index in range(21)])[:, 8:24, 8:24].astype(np.float64) / 255.0
-    normalised = ((images - np.array(CARD_MEAN)) / np.array(CARD_STD)).transpose(0, 3, 1, 2)
-    with torch.no_grad():
-        probability, expected = model(torch.tensor(normalised, dtype=torch.float32)).softmax(dim=1).max(dim=1)
+    probability, expected = card_probabilities(model, np.stack([source.load_image(i) for i in range(21)])).max(dim=1)
     assert [int(row["index"]) for row in rows] == list(range(21))  # no padding row counted
     assert [int(row["predicted"]) for row in rows] == expected.tolist()
     # the top-1 probability follows every pixel (an untrained model's class often does not)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
 from conftest import DIGITS
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
 
@@ -87,49 +88,22 @@ def test_a_missing_source_is_bad_input(tmp_path, images, capsys):
 
 # -- the model card's preprocessing, against an oracle computed by hand ----------------------------------
 
-CARD_MEAN, CARD_STD, CARD_CROP = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7), 0.5  # none of them the defaults
-
-
 @pytest.fixture(scope="module")
 def carded_model(tmp_path_factory):
-    """A logged smoke model whose card evaluates 16 px at a 0.5 crop with its own mean and std: a 32 px
-    image's central 16 px square, unresized, is its whole input."""
-    import torch
-    from safetensors.torch import save_model
-
-    from pipeline.components.model_card import ModelCard
-    from pipeline.components.modeling import build_model
-    from pipeline.config.loading import load_config
-    from pipeline.tracking.store import MlflowStore
-    from pipeline.trained.serving import log_model
-
-    root = tmp_path_factory.mktemp("carded")
-    cfg = load_config("smoke", [f"data.mean={list(CARD_MEAN)}", f"data.std={list(CARD_STD)}",
-                                f"data.val_crop_ratio={CARD_CROP}"])
-    torch.manual_seed(1)
-    model = build_model(cfg.model, len(DIGITS)).eval()
-    save_model(model, str(root / "model.safetensors"))
-    uri = f"sqlite:///{root}/mlflow.db"
-    run = MlflowStore(uri).create_run("vitsweep", "carded")
-    log_model(run, model, [root / "model.safetensors"], ModelCard.of_run(cfg, len(DIGITS), DIGITS), step=1)
-    run.end("FINISHED", "completed")
-    return f"runs:/{run.run_id}/model", uri, model
+    """A logged smoke model whose card evaluates 16 px at a 0.5 crop with its own mean and std."""
+    model = carded_smoke_model(len(DIGITS), seed=1)
+    uri, source = log_in_new_store(tmp_path_factory.mktemp("carded"), model, DIGITS)
+    return source, uri, model
 
 
 def test_predict_crops_and_normalises_as_the_models_card_says(carded_model, tmp_path, capsys):
-    import torch
-
     source, uri, model = carded_model
     pixels = np.random.default_rng(7).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(tmp_path / "photo.png")
     assert main(["predict", source, str(tmp_path / "photo.png"), "--topk", "10", "--json",
                  "--set", f"tracking.mlflow_uri={uri}"]) == 0
     (found,) = json.loads(capsys.readouterr().out)
-    # by hand: the central 16 x 16 (ratio 0.5 of 32, from row and column 8), to 0-1, minus mean, over std
-    crop = pixels[8:24, 8:24].astype(np.float64) / 255.0
-    normalised = ((crop - np.array(CARD_MEAN)) / np.array(CARD_STD)).transpose(2, 0, 1)[None]
-    with torch.no_grad():
-        probabilities = torch.softmax(model(torch.tensor(normalised, dtype=torch.float32)), dim=1)[0].numpy()
+    probabilities = card_probabilities(model, pixels[None])[0].numpy()
     expected = {DIGITS[index]: probabilities[index] for index in np.argsort(-probabilities)}
     assert found["labels"] == list(expected)
     assert found["probabilities"] == pytest.approx(list(expected.values()), abs=1e-5)

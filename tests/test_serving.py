@@ -15,34 +15,21 @@ import pytest
 import torch
 from mlflow.exceptions import MlflowException
 from PIL import Image
-from safetensors.torch import save_model
 
-from pipeline.config.loading import load_config
-from pipeline.components.model_card import ModelCard
+from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
 from pipeline.trained.model_source import resolve_model_source
-from pipeline.components.modeling import build_model
 from pipeline.trained.prediction import ImageClassifier
-from pipeline.trained.serving import log_model, pip_requirements
-from pipeline.tracking.store import MlflowStore
+from pipeline.trained.serving import pip_requirements
 
 CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-MEAN, STD, CROP = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7), 0.5
 
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
-    """(store URI, model URI, the module) of a run that logged a smoke model evaluated at a 0.5 crop with its
-    own mean and std (none of them the defaults)."""
-    root = tmp_path_factory.mktemp("served")
-    cfg = load_config("smoke", [f"run.storage_path={root}", f"data.val_crop_ratio={CROP}", f"data.mean={list(MEAN)}",
-                                f"data.std={list(STD)}"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model, len(CLASSES)).eval()
-    save_model(model, str(root / "model.safetensors"))
-    uri = f"sqlite:///{root}/mlflow.db"
-    run = MlflowStore(uri).create_run("vitsweep", "served")
-    log_model(run, model, [root / "model.safetensors"], ModelCard.of_run(cfg, len(CLASSES), CLASSES), step=1)
-    return uri, f"runs:/{run.run_id}/model", model
+    """(store URI, model URI, the module) of a run that logged a smoke model whose card evaluates 16 px at a
+    0.5 crop with its own mean and std (tests/carded_models.py)."""
+    model = carded_smoke_model(len(CLASSES), seed=0)
+    return (*log_in_new_store(tmp_path_factory.mktemp("served"), model, CLASSES), model)
 
 
 @pytest.fixture
@@ -61,15 +48,6 @@ IMAGES = [np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
           for seed, shape in enumerate([(32, 32, 3), (30, 21, 3), (64, 64, 3)])]
 
 
-def _by_hand(model, image: np.ndarray) -> np.ndarray:
-    """A 32 px image's class probabilities as the card says, computed without vitsweep: its central 16 px
-    square (ratio 0.5, unresized at the model's 16 px), to 0-1, minus the mean, over the std."""
-    crop = image[8:24, 8:24].astype(np.float64) / 255.0
-    normalised = ((crop - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1)[None]
-    with torch.no_grad():
-        return torch.softmax(model(torch.tensor(normalised, dtype=torch.float32)), dim=1)[0].numpy()
-
-
 def test_the_pyfunc_classifies_encoded_images_and_arrays_as_predict_does(in_store):
     uri, model_uri, model = in_store
     served = mlflow.pyfunc.load_model(model_uri).predict(
@@ -81,7 +59,7 @@ def test_the_pyfunc_classifies_encoded_images_and_arrays_as_predict_does(in_stor
         assert list(row.classes) == list(prediction.classes)
         np.testing.assert_allclose(row.probabilities, prediction.probabilities, rtol=1e-6)
     # and the first against the card's preprocessing computed by hand (predict's engine is no oracle for it)
-    expected_first = _by_hand(model, IMAGES[0])
+    expected_first = card_probabilities(model, IMAGES[0][None])[0].numpy()
     top = np.argsort(-expected_first)[:3]
     first = served.iloc[0]
     assert list(first["labels"]) == [CLASSES[index] for index in top]
