@@ -32,6 +32,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LIBRARY_LOGGERS = ("ray", "mlflow", "deepspeed", "torch", "numba", "filelock", "alembic", "urllib3", "py.warnings")
 
 
+def counted(number: float, unit: str) -> str:
+    """``number`` and its ``unit``, plural unless it is exactly one: "1 epoch", "0.5 CPUs", "3 workers"."""
+    return f"{number:g} {unit}{'' if number == 1 else 's'}"
+
+
 def say(text: str) -> None:
     """Print one of vitsweep's own lines from inside a Ray process (controller, worker)."""
     for line in text.splitlines():

@@ -237,3 +237,16 @@ def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs
     controller = "pipeline.training.epoch_logger, pipeline.tracking.store, pipeline.sweeps.tune_callback"
     assert _imported(controller, {"torch", "timm", "ffcv", "deepspeed"}) == "[]"
     assert _imported("pipeline.training.worker", {"mlflow"}) == "[]"
+
+
+def test_a_runs_description_reads_as_prose_counting_its_epochs(tmp_path):
+    """What the MLflow UI shows first: "1 epoch" (not "1 epochs"), the model's arguments as key=value."""
+    from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, describe_run
+
+    for epochs, counted in ((1, "1 epoch on"), (2, "2 epochs on")):
+        cfg = load_config("smoke", [f"optim.epochs={epochs}", "model.args.qkv=fsne", "model.args.code_size=8"])
+        run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10),
+                         "described", str(tmp_path), f"sqlite:///{tmp_path}/mlflow.db")
+        text = describe_run(run)
+        assert text.startswith("**xcit_nano_12_p8** (xcit, paper 003, depth=2, qkv=fsne, code_size=8): "), text
+        assert counted in text and "; 2 CPU workers, DeepSpeed" in text, text

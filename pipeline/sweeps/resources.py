@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ray.tune import Callback
 
 from pipeline.config.schema import ExperimentConfig
-from pipeline.console import active_console
+from pipeline.console import active_console, counted
 from pipeline.errors import InvalidInputError, RunFailed
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
@@ -46,9 +46,9 @@ class TrialResources:
 
     def describe(self, cfg: ExperimentConfig) -> str:
         s = cfg.scaling
-        gpus = f", {_count(self.gpus, 'GPU')}" if self.gpus else ""
-        return (f"{_count(self.cpus, 'CPU')}{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + "
-                f"{_count(s.num_workers, 'worker')} x "
+        gpus = f", {counted(self.gpus, 'GPU')}" if self.gpus else ""
+        return (f"{counted(self.cpus, 'CPU')}{gpus} = trial function {cfg.tune.trial_cpus:g} CPU + "
+                f"{counted(s.num_workers, 'worker')} x "
                 f"({s.cpus_per_worker:g} CPU{f', {s.gpus_per_worker:g} GPU' if s.use_gpu else ''})")
 
     def fitting(self, resources: dict[str, float]) -> int:
@@ -57,10 +57,6 @@ class TrialResources:
         if self.gpus:
             fits = min(fits, math.floor(resources.get("GPU", 0) / self.gpus + 1e-9))
         return fits
-
-
-def _count(number: float, unit: str) -> str:
-    return f"{number:g} {unit}{'' if number == 1 else 's'}"
 
 
 def _has(resources: dict[str, float]) -> str:

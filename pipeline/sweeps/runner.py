@@ -28,7 +28,7 @@ from ray.tune.search.optuna import OptunaSearch
 from pipeline import interrupts, uris
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import apply_overrides, load_config, validate, with_dotted
-from pipeline.console import LOG_FILE_NAME, active_console
+from pipeline.console import LOG_FILE_NAME, active_console, counted
 from pipeline.ray_connection import ray_address, start_ray
 from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
@@ -327,11 +327,10 @@ def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
 def describe_sweep(sweep: Sweep) -> str:
     cfg = sweep.cfg
     trials = len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples
-    epochs = f"{cfg.optim.epochs} epoch{'s' if cfg.optim.epochs > 1 else ''}"
     description = (sweep.space.description or "search space").rstrip(".")  # a space's own sentence ends in one
     return (f"Sweep **{sweep.space.name}**: {description}. {cfg.tune.searcher} over "
             f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({trials} trials, {cfg.tune.scheduler}), "
-            f"{cfg.model.name}, {epochs} each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
+            f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
 
 
 def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance) -> str:

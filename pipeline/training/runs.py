@@ -44,7 +44,7 @@ from pipeline.config.schema import ExperimentConfig, ModelConfig
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.components.distillation import build_teacher
-from pipeline.console import active_console
+from pipeline.console import active_console, counted
 from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed, error_line
 from pipeline.training.jobs import git_provenance
@@ -295,11 +295,12 @@ def describe_run(run: CheckedRun) -> str:
     """The run's MLflow description: what was trained, on what, how."""
     cfg, facts = run.cfg, run.facts
     paper = f", paper {facts.paper}" if facts.paper else ""
-    workers = f"{cfg.scaling.num_workers} {'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s)"
+    workers = counted(cfg.scaling.num_workers, f"{'GPU' if cfg.scaling.use_gpu else 'CPU'} worker")
     start = f" Starts from `{run.init.plan.summary()}`." if run.init is not None else ""
-    return (f"**{cfg.model.name}** ({facts.family}{paper}{', ' + str(cfg.model.args) if cfg.model.args else ''}): "
+    args = "".join(f", {key}={value}" for key, value in cfg.model.args.items())
+    return (f"**{cfg.model.name}** ({facts.family}{paper}{args}): "
             f"{facts.params / 1e6:.2f} M parameters, {facts.gflops:.3g} GMACs at {cfg.model.img_size} px.{start} "
-            f"{cfg.optim.epochs} epochs on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
+            f"{counted(cfg.optim.epochs, 'epoch')} on `{Path(run.data.train).name}` ({run.data.num_classes} classes), "
             f"validated on `{Path(run.data.val).name}`; {workers}, DeepSpeed ZeRO-{cfg.deepspeed.zero_stage} "
             f"{cfg.deepspeed.precision}; AdamW, {describe_lr(cfg.optim, cfg.scaling.num_workers)}.")
 
