@@ -23,13 +23,17 @@ def test_write_digits_then_inspect_works_offline_and_saves_a_sample_grid(tmp_pat
     )
     assert written.returncode == 0, written.stderr
     assert "1437 samples, 10 classes" in written.stdout
-    inspected = subprocess.run([str(VITSWEEP), "data", "inspect", str(beton), "--samples", "9"],
-                               capture_output=True, text=True, cwd=tmp_path)
+    inspected = subprocess.run([str(VITSWEEP), "data", "inspect", str(beton)], capture_output=True, text=True,
+                               cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["digits_train.beton", "digits_train.beton.json"]
+    inspected = subprocess.run([str(VITSWEEP), "data", "inspect", str(beton), "--samples", "9",
+                                "--grid", "grid.png"], capture_output=True, text=True, cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
     assert "1437 in 10 classes" in inspected.stdout and "sha256" in inspected.stdout
     counts = read_sidecar(beton).counts_per_class
     assert all(f"  {digit}  {counts[digit]}" in inspected.stdout for digit in counts)
-    grid = Image.open(tmp_path / "digits_train_samples.png")
+    grid = Image.open(tmp_path / "grid.png")
     assert grid.size == (3 * 96, 3 * (96 + 14))
     assert "Exception ignored" not in inspected.stderr + written.stderr
 

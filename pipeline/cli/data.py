@@ -48,11 +48,15 @@ def add_parser(commands) -> None:
     write.set_defaults(run=_write)
 
     inspect = actions.add_parser(
-        "inspect", help="Verify FILE against its sidecar; print its counts; save decoded samples as a PNG grid."
+        "inspect", help="Verify FILE against its sidecar; print its counts; with --grid, save decoded samples as a "
+                        "PNG grid."
     )
     inspect.add_argument("file", metavar="FILE.beton")
-    inspect.add_argument("--samples", type=int, default=16, metavar="N", help="samples in the grid (default 16)")
-    inspect.add_argument("--grid", default=None, metavar="PNG", help="where to save the grid (default: ./<name>_samples.png)")
+    inspect.add_argument("--samples", type=int, default=16, metavar="N",
+                         help="samples in the grid and the export (default 16)")
+    inspect.add_argument("--grid", default=None, metavar="PNG",
+                         help="save N decoded samples, each with its class, as one PNG grid here (nothing is written "
+                              "without it)")
     inspect.add_argument("--no-checksum", action="store_true", help="skip hashing the file (large files)")
     inspect.add_argument("--export", default=None, metavar="DIR",
                          help="also save the same samples, as stored, as DIR/<index>_<class>.png (a new or empty "
@@ -149,8 +153,9 @@ def _inspect(args: argparse.Namespace) -> int:
     problem = location_problem(args.file, kind="file")
     if problem:
         raise InvalidInputError(f"FILE.beton: {problem}")
-    grid_path = Path(args.grid or f"{Path(args.file).name.removesuffix('.beton')}_samples.png")
-    check_can_create(files={"--grid": grid_path})
+    grid_path = Path(args.grid) if args.grid else None
+    if grid_path is not None:
+        check_can_create(files={"--grid": grid_path})
     sidecar = check_beton(args.file, verify_checksum=not args.no_checksum)
     size = sidecar.image_size
     print(f"file      {args.file}")
@@ -169,10 +174,11 @@ def _inspect(args: argparse.Namespace) -> int:
     for name, count in sidecar.counts_per_class.items():
         print(f"  {name:<{width}}  {count}")
     indices = spread_indices(sidecar.num_samples, args.samples)
-    images, labels = decode_samples(args.file, indices)
-    grid_path.parent.mkdir(parents=True, exist_ok=True)
-    sample_grid(images, [sidecar.classes[label] for label in labels]).save(grid_path)
-    print(f"saved {len(indices)} decoded samples to {grid_path}")
+    if grid_path is not None:
+        images, labels = decode_samples(args.file, indices)
+        grid_path.parent.mkdir(parents=True, exist_ok=True)
+        sample_grid(images, [sidecar.classes[label] for label in labels]).save(grid_path)
+        print(f"saved {len(indices)} decoded samples to {grid_path}")
     if export is not None:
         written = export_samples(args.file, indices, sidecar.classes, export)
         print(f"exported {len(written)} samples, as stored, to {export}/")
