@@ -28,6 +28,15 @@ def test_the_papers_studies_are_shipped():
     assert set(SHIPPED) <= set(available_spaces())
 
 
+def test_the_readmes_spaces_table_lists_every_shipped_space():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("**Spaces**", 1)[1].split("\n\n", 2)[1]
+    listed = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    assert sorted(listed) == sorted(available_spaces())
+
+
 @pytest.mark.parametrize("name", [name for name in SHIPPED if name != "svpn_alpha"])
 def test_every_shipped_space_plans_a_grid_of_buildable_trials(name):
     plan = _grid(load_space(name))
