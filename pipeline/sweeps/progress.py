@@ -14,7 +14,7 @@ from ray.tune import Callback
 
 from pipeline.console import active_console
 from pipeline.sweeps.spaces import short_keys
-from pipeline.sweeps.tracking import EPOCHS_DONE
+from pipeline.sweeps.tracking import EPOCHS_DONE, trial_error_text
 
 RUNNING, COMPLETED, STOPPED_EARLY, DIVERGED, FAILED = "running", "completed", "stopped early", "diverged", "failed"
 
@@ -87,6 +87,5 @@ class SweepTable(Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
         line = self._line(trial)
-        error = str(trial.get_pickled_error() or trial.get_error() or "")
-        line.status = DIVERGED if "loss diverged" in error else FAILED
+        line.status = DIVERGED if "loss diverged" in trial_error_text(trial) else FAILED
         self._show(line, line.status)

@@ -11,6 +11,7 @@ records, plus tags ``trial_id``, ``knobs`` (JSON of the searched and derived val
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from mlflow.entities import Run
@@ -81,12 +82,21 @@ def mark_unfinished(parent: MlflowRun, reason: str) -> None:
             record_stop(MlflowRun(parent.uri, child.info.run_id), "KILLED", reason)
 
 
-def _error_line(trial) -> str:
+def trial_error_text(trial) -> str:
+    """The error Tune recorded for a failed trial, as its callbacks see it: Tune writes the error into
+    the trial's local directory just before calling them, and copies it to the run's storage (where
+    ``Trial.get_error`` reads) only at its next sync."""
+    if trial.error_file and os.path.isfile(trial.error_file):
+        with open(trial.error_file) as written:
+            return written.read()
     try:
-        error = trial.get_pickled_error() or trial.get_error()
+        return str(trial.get_pickled_error() or trial.get_error() or "")
     except Exception:  # noqa: BLE001  (the error file may not be readable from here)
-        error = None
-    lines = [line.strip() for line in str(error or "").splitlines() if line.strip()]
+        return ""
+
+
+def _error_line(trial) -> str:
+    lines = [line.strip() for line in trial_error_text(trial).splitlines() if line.strip()]
     return lines[-1][:500] if lines else f"see the trial's error file under {trial.local_path}"
 
 
