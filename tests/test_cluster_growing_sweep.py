@@ -9,7 +9,9 @@ node comes in time and the sweep ends, saying why and how to resume; resumed, it
 worker node joins (as the autoscaler would add one). Every trial then runs on that node (the head
 has no CPU for a trial function or a worker), logs its run through the login, and each run holds
 its node's system metrics; no password lands in any param or tag. Token authentication is on: a
-driver with another token is refused."""
+driver with another token is refused. The sweep is a TPE search whose second sample is invalid (pruned
+as its trial starts, recorded on the parent), trained under ZeRO-0 (plain data parallelism), whose
+final weights score the runs' own metrics."""
 import base64
 import json
 import os
@@ -22,8 +24,11 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_model
 
-from conftest import VITSWEEP, RunningVitsweep, mlflow_server, vitsweep_env
+from conftest import VITSWEEP, RunningVitsweep, assert_scores_the_runs_metrics, mlflow_server, vitsweep_env
+from pipeline.components.modeling import build_model
+from pipeline.config.loading import load_config
 from pipeline.data.staging import CACHE_DIR_ENV
 from pipeline.sweeps.resources import START_TIMEOUT_ENV
 from simulated_cluster import driver_joins, run_cluster_process, stop_with_the_test
@@ -117,14 +122,17 @@ def login_mlflow(tmp_path_factory):
 def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16):
     uri, password = login_mlflow
     storage = tmp_path_factory.mktemp("growing-cluster")
-    space = storage / "qkv.yaml"
-    space.write_text("params:\n  model.args.qkv: {values: [linear, sne]}\n")
+    space = storage / "heads.yaml"
+    # 6 heads do not divide 128 channels: that one combination of four is invalid. TPE's seed 0 draws
+    # (128, 4), (128, 6), (96, 4) (Optuna's TPESampler, random for its first samples).
+    space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
     caches = {name: str(storage / f"node-{name}" / "nvme") for name in ("head", "worker")}
     command = [VITSWEEP, "tune", "--space", str(space), "--config", "smoke",
                *[word for override in (
                    f"run.storage_path={storage / 'shared'}", f"tracking.mlflow_uri={uri}", "tune.name=growing",
                    f"data.train=file://{digits16['train']}", f"data.val=file://{digits16['val']}", "data.prepare=null",
-                   "optim.epochs=1", "tune.scheduler=fifo", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5",
+                   "optim.epochs=1", "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0", "tune.scheduler=fifo",
+                   "deepspeed.zero_stage=0", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5",
                    "tune.trial_cpus=0.5") for word in ("--set", override)]]
     plan = {"command": command, "caches": caches, "sweep_dir": str(storage / "shared" / "growing"),
             "credentials": {"MLFLOW_TRACKING_USERNAME": TRAINER, "MLFLOW_TRACKING_PASSWORD": password}}
@@ -203,3 +211,32 @@ def test_no_run_carries_the_password(growing_cluster_sweep, trainer_client):
     experiment = trainer_client.get_experiment_by_name("vitsweep")
     for run in trainer_client.search_runs([experiment.experiment_id]):
         assert not [key for key, value in {**run.data.params, **run.data.tags}.items() if password in value]
+
+
+INVALID = {"model.args.embed_dim": 128, "model.args.num_heads": 6}
+
+
+def test_a_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(growing_cluster_sweep, trainer_client,
+                                                                          tmp_path):
+    experiment = trainer_client.get_experiment_by_name("vitsweep")
+    runs = trainer_client.search_runs([experiment.experiment_id])
+    (parent,) = [run for run in runs if run.data.tags.get("vitsweep.role") == "sweep"]
+    trials = [run for run in runs if run.data.tags.get("vitsweep.role") == "trial"]
+    assert parent.data.params["tune.searcher"] == "tpe"
+    pruned = json.loads(Path(trainer_client.download_artifacts(parent.info.run_id, "pruned.json", str(tmp_path)))
+                        .read_text())
+    assert [p["knobs"] for p in pruned] == [INVALID]  # seed 0's second sample
+    assert "forward pass fails" in pruned[0]["reason"]
+    assert sorted(tuple(json.loads(run.data.tags["knobs"]).values()) for run in trials) == [(96, 4), (128, 4)]
+
+
+def test_zero0_trials_final_weights_score_their_val_top1(growing_cluster_sweep, trainer_client, tmp_path, digits16):
+    experiment = trainer_client.get_experiment_by_name("vitsweep")
+    for run in trainer_client.search_runs([experiment.experiment_id], "tags.`vitsweep.role` = 'trial'"):
+        directory = tmp_path / run.info.run_id
+        directory.mkdir()
+        cfg = load_config(trainer_client.download_artifacts(run.info.run_id, "config.yaml", str(directory)))
+        assert cfg.deepspeed.zero_stage == 0
+        model = build_model(cfg.model, num_classes=10)
+        load_model(model, trainer_client.download_artifacts(run.info.run_id, "model.safetensors", str(directory)))
+        assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)

@@ -35,7 +35,7 @@ def _only_run(storage):
 # the weights and, like the demo's first run, writes its offline dataset itself before training. It gives
 # its rate per 512 images, DeiT's way: 1.6e-2 x a global batch of 64 (2 workers x 32) / 512 = 2e-3. The
 # other engines train end to end elsewhere: ZeRO-1 in fp32 (the smoke preset's, most runs), ZeRO-3
-# (``finished_run``, conftest, which keeps no EMA: test_distillation) and ZeRO-0 (test_tune_e2e's TPE sweep).
+# (``finished_run``, conftest, which keeps no EMA: test_distillation) and ZeRO-0 (test_cluster_growing_sweep's TPE sweep).
 EFFECTIVE_LR, GLOBAL_BATCH, RATE_KEY, RATE = 2e-3, 64, "optim.lr_per_512", 1.6e-2
 
 

@@ -1,5 +1,6 @@
-"""`vitsweep tune` end to end on 2 cores: ASHA stops a bad trial, a diverging trial fails alone, a killed
-sweep resumes without re-running finished trials, and MLflow holds one parent with a child per trial."""
+"""`vitsweep tune` end to end on 2 cores, one sweep: ASHA stops a bad trial, a diverging trial fails alone,
+the driver killed during the last trial resumes without re-running finished trials, and MLflow holds one
+parent with a child per trial. (A TPE sweep: test_cluster_growing_sweep.)"""
 import contextlib
 import csv
 import io
@@ -16,12 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_model
 
-from conftest import (TWO_TRIALS_AT_ONCE, VITSWEEP, RunningVitsweep, assert_scores_the_runs_metrics, run_vitsweep,
+from conftest import (VITSWEEP, RunningVitsweep, run_vitsweep,
                       sampled_every, tune_command)
 from pipeline.config.loading import load_config
-from pipeline.components.modeling import build_model
 from pipeline.sweeps.runner import TRIAL_RUNS_DIR
 
 pytestmark = pytest.mark.slow
@@ -369,47 +368,3 @@ def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(asha_sweep):
     assert diverged.data.tags["stop_reason"].startswith("diverged: loss diverged at epoch 1 step")
     assert all(r.info.status == "FINISHED" for r in children.values() if r is not diverged)
     assert parent.data.tags["trials_diverged"] == "1"
-
-
-# --------------------------------------------------------------------------------------------------
-# Optuna TPE: samples checked as their trials start
-# --------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tpe_sweep(tmp_path_factory, digits16):
-    """Two TPE samples of one epoch, trained under ZeRO-0 (plain data parallelism): the second is invalid."""
-    storage = tmp_path_factory.mktemp("tpe")
-    space = storage / "heads.yaml"
-    # 6 heads do not divide 128 channels: that one combination of four is invalid.
-    space.write_text("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
-    result = run_vitsweep(tune_command(storage, digits16, space, "optim.epochs=1", "tune.name=tpe",
-                                       "tune.searcher=tpe", "tune.num_samples=2", "tune.seed=0",
-                                       "tune.scheduler=fifo", "deepspeed.zero_stage=0", *TWO_TRIALS_AT_ONCE),
-                          timeout=1200)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return storage
-
-
-def test_tpe_sweep_trains_only_valid_samples_and_records_the_pruned_ones(tpe_sweep):
-    client, (parent,), children = _runs(tpe_sweep)
-    assert parent.data.params["tune.searcher"] == "tpe"
-    pruned = json.loads(_download(client, parent.info.run_id, "pruned.json", tpe_sweep))
-    assert len(children) == len(pruned) == 1  # seed 0 draws (128 channels, 6 heads) as its second sample
-    assert all(p["knobs"] == {"model.args.embed_dim": 128, "model.args.num_heads": 6} for p in pruned)
-    assert all("forward pass fails" in p["reason"] for p in pruned)
-    for run in children.values():
-        knobs = json.loads(run.data.tags["knobs"])
-        assert knobs != {"model.args.embed_dim": 128, "model.args.num_heads": 6}
-        assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
-
-
-def test_zero0_trials_final_weights_score_their_val_top1(tpe_sweep, digits16):
-    client, _, children = _runs(tpe_sweep)
-    for trial_id, run in children.items():
-        directory = tpe_sweep / f"weights-{trial_id}"
-        directory.mkdir()
-        cfg = load_config(client.download_artifacts(run.info.run_id, "config.yaml", str(directory)))
-        assert cfg.deepspeed.zero_stage == 0
-        model = build_model(cfg.model, num_classes=10)
-        load_model(model, client.download_artifacts(run.info.run_id, "model.safetensors", str(directory)))
-        assert_scores_the_runs_metrics(model, cfg, digits16["val"], run.data.metrics)
