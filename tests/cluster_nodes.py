@@ -20,6 +20,7 @@ address, the node also gets a network of its own (its ports are its own, and Ray
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -155,6 +156,28 @@ def launcher_nodes() -> list[Container]:
                 tuple(command for command in config[key] if command.split()[0] == "vitsweep"), shell=True,
                 runs_job_drivers=role == "head"))
     return built
+
+
+def ray_start_resources() -> dict[str, dict[str, dict[str, float]]]:
+    """The custom resources each cluster file's `ray start` gives each kind of node, {file: {role: resources}}:
+    a KubeRay group's ``rayStartParams.resources`` (JSON inside a string, as KubeRay requires it), a
+    launcher's ``ray start --resources``."""
+    declared: dict[str, dict[str, dict[str, float]]] = {}
+    for path in KUBERAY:
+        doc = yaml.safe_load((CLUSTER / path).read_text())
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        groups = [("head", spec["headGroupSpec"])] + [(group["groupName"], group) for group in spec["workerGroupSpecs"]]
+        declared[path] = {name: json.loads(json.loads(group["rayStartParams"].get("resources", '"{}"')))
+                          for name, group in groups}
+    for name in LAUNCHERS:
+        config = yaml.safe_load((CLUSTER / name).read_text())
+        declared[name] = {}
+        for key, role in (("head_start_ray_commands", "head"), ("worker_start_ray_commands", "gpu-worker")):
+            (start,) = [command for command in config[key] if "ray start" in command]
+            words = shlex.split(start.split("ray start", 1)[1])
+            given = [word.split("=", 1)[1] for word in words if word.startswith("--resources=")]
+            declared[name][role] = json.loads(given[0]) if given else {}
+    return declared
 
 
 def built_containers() -> list[Container]:

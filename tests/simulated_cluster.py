@@ -1,6 +1,7 @@
 """A Ray cluster of several nodes on this machine, owned by a fresh process: Ray's own test cluster
 (`ray.cluster_utils.Cluster`), each node with its own raylet, resources and environment, token
 authentication on. The process runs a test's plan against it and hands back a report."""
+import json
 import multiprocessing
 import os
 import queue
@@ -28,6 +29,17 @@ def driver_joins(address: str, token: str) -> bool:
     probe = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); print(len(ray.nodes()))"
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=180)
     return result.returncode == 0
+
+
+def actor_nodes(address: str) -> list[tuple[str, str]]:
+    """(class name, node id) of every actor the cluster has held, alive or ended (the GCS keeps the ended
+    ones' records), read by a driver holding this process's token."""
+    probe = ("import json, ray; from ray._private.state import actors; "
+             f"ray.init(address={address!r}, logging_level='ERROR'); "
+             "print(json.dumps([[a['ActorClassName'], a['Address']['NodeID']] for a in actors().values()]))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [tuple(pair) for pair in json.loads(result.stdout.strip().splitlines()[-1])]
 
 
 def run_cluster_process(monkeypatch, target, plan: dict, timeout_s: float) -> dict:

@@ -3,12 +3,14 @@ cluster file starts it), an MLflow server that requires a login (its basic-auth 
 cluster/kuberay/mlflow.yaml runs it), and the MLflow credentials only in each node's environment (as
 the cluster files give them to every node's `ray start`, or pod).
 
+The head offers the trial slots every cluster file gives it (cluster_nodes.ray_start_resources).
 `vitsweep tune` starts while no worker node is up yet: it sizes its trials by what the cluster's
-autoscaler says it can grow to and announces that they wait for nodes. With a short start timeout no
-node comes in time and the sweep ends, saying why and how to resume; resumed, it waits again, and a
-worker node joins (as the autoscaler would add one). Every trial then runs on that node (the head
-has no CPU for a trial function or a worker), logs its run through the login, and each run holds
-its node's system metrics; no password lands in any param or tag. Token authentication is on: a
+autoscaler says it can grow to and announces that they wait for nodes. Their trial functions start on
+the head at once, but no worker does: with a short start timeout no node comes in time and the sweep
+ends, saying why and how to resume; resumed, it waits again, and a worker node joins (as the
+autoscaler would add one). Every trial's workers then run on that node, its function and Ray Train
+controller on the head; each logs its run through the login, and each run holds its node's system
+metrics; no password lands in any param or tag. Token authentication is on: a
 driver with another token is refused. The sweep is a TPE search whose second sample is invalid (pruned
 as its trial starts, recorded on the parent), trained under ZeRO-0 (plain data parallelism), whose
 final weights score the runs' own metrics."""
@@ -31,10 +33,11 @@ from pipeline.components.modeling import build_model
 from pipeline.config.loading import load_config
 from pipeline.data.staging import CACHE_DIR_ENV
 from pipeline.sweeps.resources import START_TIMEOUT_ENV
-from simulated_cluster import driver_joins, run_cluster_process, stop_with_the_test
+from cluster_nodes import ray_start_resources
+from simulated_cluster import actor_nodes, driver_joins, run_cluster_process, stop_with_the_test
 from test_cluster_multinode import assert_staged_once_from_source
 
-WORKER_CPUS = 2  # two trials at once: each a 0.5-CPU trial function + one 0.5-CPU worker
+WORKER_CPUS = 2  # two trials at once: each one 1-CPU worker (its trial function takes a head slot)
 FIRST_START_TIMEOUT_S = 5  # the first attempt's: no node joins in that time
 SWEEP_TIMEOUT_S = 900
 TRAINER = "vitsweep-train"  # the MLflow user of the cluster files' Secrets
@@ -61,7 +64,8 @@ def _sweep_on_a_growing_cluster(plan: dict, results) -> None:
 
         credentials, caches = plan["credentials"], plan["caches"]
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "env_vars": {**credentials, CACHE_DIR_ENV: caches["head"]}})
+            "num_cpus": 0, "resources": plan["head_resources"], "include_dashboard": False,
+            "env_vars": {**credentials, CACHE_DIR_ENV: caches["head"]}})
         threading.Thread(target=stop_with_the_test, args=(cluster, os.getppid()), daemon=True).start()
         try:
             report_autoscaler_maximum(cluster.address, {"CPU": WORKER_CPUS}, max_nodes=1)
@@ -80,6 +84,7 @@ def _sweep_on_a_growing_cluster(plan: dict, results) -> None:
                                           env_vars={**credentials, CACHE_DIR_ENV: caches["worker"]})
                 report["nodes"] = {"head": cluster.head_node.node_id, "worker": worker.node_id}
                 report["returncode"] = resumed.finish(timeout=SWEEP_TIMEOUT_S)
+                report["actor_nodes"] = actor_nodes(cluster.address)
             finally:
                 if resumed.process.poll() is None:
                     resumed.process.kill()
@@ -132,9 +137,10 @@ def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16):
                    f"run.storage_path={storage / 'shared'}", f"tracking.mlflow_uri={uri}", "tune.name=growing",
                    f"data.train=file://{digits16['train']}", f"data.val=file://{digits16['val']}", "data.prepare=null",
                    "optim.epochs=1", "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0", "tune.scheduler=fifo",
-                   "deepspeed.zero_stage=0", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5",
-                   "tune.trial_cpus=0.5") for word in ("--set", override)]]
+                   "deepspeed.zero_stage=0", "scaling.num_workers=1", "scaling.cpus_per_worker=1")
+                for word in ("--set", override)]]
     plan = {"command": command, "caches": caches, "sweep_dir": str(storage / "shared" / "growing"),
+            "head_resources": ray_start_resources()["kuberay/raycluster.yaml"]["head"],
             "credentials": {"MLFLOW_TRACKING_USERNAME": TRAINER, "MLFLOW_TRACKING_PASSWORD": password}}
     with pytest.MonkeyPatch.context() as patch:
         report = run_cluster_process(patch, _sweep_on_a_growing_cluster, plan, SWEEP_TIMEOUT_S + 300)
@@ -168,10 +174,10 @@ def test_a_sweep_whose_cluster_does_not_grow_in_time_ends_saying_why_and_how_to_
     report, _, _, _ = growing_cluster_sweep
     first = report["first_output"]
     assert "2 at a time" in first  # what the autoscaler can grow the cluster to, not the 0 CPUs it has
-    assert f"The sweep stops if no trial has started after {FIRST_START_TIMEOUT_S} s" in first
+    assert f"The sweep stops if no trial's workers have started after {FIRST_START_TIMEOUT_S} s" in first
     assert report["first_returncode"] == 1, first[-5000:]
-    assert (f"no trial started within {FIRST_START_TIMEOUT_S} s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the "
-            "cluster did not grow to fit one trial") in first
+    assert (f"no trial's workers started within {FIRST_START_TIMEOUT_S} s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): "
+            "the cluster did not grow to fit one trial") in first
     assert "vitsweep tune --resume" in first and "Traceback" not in first
 
 
@@ -183,8 +189,18 @@ def test_a_resumed_sweep_waits_for_the_worker_node_then_finishes(growing_cluster
     assert "sweep growing (finished)" in report["output"]
 
 
-def test_every_trial_ran_on_the_worker_node_and_is_logged_through_the_login(growing_cluster_sweep, trainer_client,
-                                                                           digits16):
+def test_every_trials_function_and_controller_ran_on_the_head_and_its_workers_on_the_worker_node(
+        growing_cluster_sweep):
+    report, _, _, _ = growing_cluster_sweep
+    nodes = {}
+    for name, node in report["actor_nodes"]:
+        nodes.setdefault(name, set()).add(node)
+    assert nodes["ImplicitFunc"] == nodes["TrainController"] == {report["nodes"]["head"]}
+    assert nodes["RayTrainWorker"] == {report["nodes"]["worker"]}
+
+
+def test_every_trial_trained_on_the_worker_node_and_is_logged_through_the_login(growing_cluster_sweep, trainer_client,
+                                                                               digits16):
     _, caches, _, _ = growing_cluster_sweep
     assert_staged_once_from_source(Path(caches["worker"]), digits16)  # the trials' workers read it there
     assert not list(Path(caches["head"]).rglob("*.beton"))

@@ -91,7 +91,7 @@ def test_launcher_runs_one_worker_per_gpu_and_their_cpus_fit_the_node(name):
 def test_launcher_head_node_takes_no_training_workers(name):
     config = launcher(name)
     head = config["available_node_types"][config["head_node_type"]]
-    assert head["resources"] == {"CPU": 0}
+    assert head["resources"]["CPU"] == 0 and "GPU" not in head["resources"]
     assert all("--num-cpus=0" in command for command in config["head_start_ray_commands"] if "ray start" in command)
 
 

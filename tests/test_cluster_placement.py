@@ -1,5 +1,7 @@
-"""Where a multi-node run's pieces land: each node stages onto its own disk, workers spread or pack."""
+"""Where a multi-node run's pieces land: each node stages onto its own disk, workers spread or pack, trial
+functions take the head's slots."""
 import pytest
+import yaml
 
 from pipeline.config.schema import DataConfig
 from pipeline.config.loading import load_config
@@ -39,3 +41,20 @@ def test_an_unknown_placement_strategy_is_rejected_naming_the_valid_ones():
 
     with pytest.raises(ConfigError, match="scaling.placement_strategy.*'PACK'.*'SPREAD'"):
         load_config("smoke", ["scaling.placement_strategy=SCATTER"])
+
+
+def test_every_cluster_files_head_and_only_its_head_offers_the_trial_slots():
+    """A sweep's trial functions (and the Ray Train controllers Ray starts beside them) take the head's
+    trial slots, so that a lost GPU node never takes a trial's controller with it."""
+    from cluster_nodes import CLUSTER, LAUNCHERS, ray_start_resources
+    from pipeline.sweeps.resources import TRIAL_SLOT
+
+    declared = ray_start_resources()
+    assert set(declared) == {"kuberay/raycluster.yaml", "kuberay/rayjob.yaml", *LAUNCHERS}
+    for where, roles in declared.items():
+        assert roles["head"].get(TRIAL_SLOT, 0) >= 1, where
+        assert [role for role, given in roles.items() if role != "head" and TRIAL_SLOT in given] == [], where
+    for name in LAUNCHERS:  # the autoscaler plans with the node type's resources: the same as `ray start` gives
+        config = yaml.safe_load((CLUSTER / name).read_text())
+        head = config["available_node_types"][config["head_node_type"]]
+        assert head["resources"] == {"CPU": 0, **declared[name]["head"]}, name

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster_nodes import ray_start_resources
 from pipeline.cli import build_parser
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import load_config
@@ -199,7 +200,9 @@ def test_each_sweep_runs_as_many_trials_at_once_as_its_step_says(command):
     per_node = re.search(r"one trial per (\d+)-GPU node", _one_line(command.prose))
     if per_node:  # a trial fills whole nodes: its workers are one node's GPUs
         assert cfg.scaling.num_workers == int(per_node[1]) == rules.gpus_per_node
-    need = TrialResources.of(cfg)  # the head takes no workers: the nodes' CPUs and GPUs hold the trials
+    # the head takes no workers, and the trial functions take its slots: the nodes' CPUs and GPUs hold the workers
+    need = TrialResources.of(cfg, ray_start_resources()["aws-p4d.yaml"]["head"])
+    assert need.on_head
     fits = min(rules.nodes * rules.node_vcpus // need.cpus, rules.cluster_gpus // need.gpus)
     assert fits == int(at_once[1]), f"step {command.step}: {need.describe(cfg)} per trial, {fits:g} fit the cluster"
     assert cfg.tune.max_concurrent_trials in (None, int(at_once[1]))  # where the step caps it, at the same number

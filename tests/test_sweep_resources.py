@@ -10,8 +10,8 @@ import yaml
 from conftest import wait_for
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
-from pipeline.sweeps.resources import (ClusterDidNotGrow, ClusterGrowthDeadline, TrialResources, concurrent_trials,
-                                      growth_notice)
+from pipeline.sweeps.resources import (TRIAL_SLOT, ClusterDidNotGrow, ClusterGrowthDeadline, TrialResources,
+                                      concurrent_trials, growth_notice, train_workers_alive)
 
 ROOT = Path(__file__).resolve().parents[1]
 # One 8-GPU trial of README step 4 on the A100 clusters of cluster/: 8 workers of 10 CPUs and 1 GPU.
@@ -54,7 +54,7 @@ def test_a_cluster_scaled_to_zero_runs_the_trials_asked_for_and_they_wait_for_no
     assert concurrent_trials(cfg, {"CPU": 0.0}, local=False) == 8  # the 0-CPU head, no GPU node up yet
     notice = growth_notice(cfg, {"CPU": 0.0}, 8, ceiling_known=False)
     assert notice.startswith("waiting for the cluster to grow: 8 trial(s) at a time of 80.25 CPUs, 8 GPUs")
-    assert "stops if no trial has started after" in notice and "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" in notice
+    assert "stops if no trial's workers have started after" in notice and "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" in notice
 
 
 def test_a_cluster_is_sized_by_what_its_autoscaler_can_grow_it_to():
@@ -91,7 +91,7 @@ def test_one_trials_resources_read_in_the_singular_where_there_is_one():
 
 
 def test_a_sweep_whose_cluster_never_fits_a_trial_ends_at_the_deadline_saying_why():
-    deadline = ClusterGrowthDeadline(0.0, "2 CPUs")
+    deadline = ClusterGrowthDeadline(0.0, "2 CPUs", workers_started=lambda: False)
 
     def ended() -> ClusterDidNotGrow | None:
         try:
@@ -101,15 +101,23 @@ def test_a_sweep_whose_cluster_never_fits_a_trial_ends_at_the_deadline_saying_wh
         return None
 
     message = str(wait_for(ended, 10, "the growth deadline to pass"))
-    assert message == ("no trial started within 0 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the cluster did not "
-                       "grow to fit one trial (2 CPUs)")
+    assert message == ("no trial's workers started within 0 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the cluster "
+                       "did not grow to fit one trial (2 CPUs)")
 
 
-def test_a_sweep_whose_first_trial_started_is_never_ended_by_the_deadline():
-    deadline = ClusterGrowthDeadline(0.0, "2 CPUs")
-    deadline.on_trial_start(iteration=1, trials=[], trial=None)
+def test_a_sweep_whose_first_trials_workers_started_is_never_ended_by_the_deadline():
+    asked = []
+    deadline = ClusterGrowthDeadline(0.0, "2 CPUs", workers_started=lambda: asked.append(1) or True)
     for iteration in range(3):
         deadline.on_step_end(iteration=iteration, trials=[])  # raises nothing
+    assert asked == [1]  # and Ray is not asked again
+
+
+def test_a_trial_function_started_on_the_head_does_not_count_as_the_cluster_grown():
+    deadline = ClusterGrowthDeadline(0.0, "2 CPUs", workers_started=lambda: False)
+    deadline.on_trial_start(iteration=1, trials=[], trial=None)  # its function took a head slot at once
+    with pytest.raises(ClusterDidNotGrow):
+        wait_for(lambda: deadline.on_step_end(iteration=2, trials=[]), 10, "the growth deadline to pass")
 
 
 def test_a_resumed_sweep_waits_the_whole_deadline_its_own_environment_sets(monkeypatch):
@@ -118,6 +126,7 @@ def test_a_resumed_sweep_waits_the_whole_deadline_its_own_environment_sets(monke
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
     restored = pickle.loads(pickle.dumps(deadline))  # as Tune saves the experiment and `--resume` restores it
     assert (restored.timeout_s, restored.trial, restored.since, restored.started) == (600.0, "2 CPUs", None, False)
+    assert restored.workers_started is train_workers_alive
 
 
 def readme_cluster_sweep() -> list[str]:
@@ -137,3 +146,25 @@ def test_the_readmes_cluster_sweep_runs_one_trial_per_node_of_the_grown_cluster_
     (gpu_node,) = [node for node in launcher["available_node_types"].values() if node["resources"].get("GPU")]
     assert TrialResources.of(cfg).fitting(gpu_node["resources"]) == 1  # one trial per 8-GPU node
     assert concurrent_trials(cfg, {"CPU": 0.0}, local=False) == gpu_node["max_workers"]  # scaled to zero: all wait
+
+
+HEAD_SLOTS = {"CPU": 0.0, TRIAL_SLOT: 16.0}  # the head every cluster file starts (test_cluster_placement)
+
+
+def test_on_a_head_with_trial_slots_a_trials_function_takes_a_slot_and_no_cpu_beside_its_workers():
+    cfg = load_config("smoke", A100_TRIAL)
+    need = TrialResources.of(cfg, HEAD_SLOTS)
+    assert need.function_request(cfg) == {"cpu": 0, TRIAL_SLOT: 1}
+    assert (need.cpus, need.gpus) == (8 * 10, 8)  # the workers' alone: tune.trial_cpus=0.25 is not spent there
+    assert need.describe(cfg) == "80 CPUs, 8 GPUs = trial function on the head + 8 workers x (10 CPU, 1 GPU)"
+    elsewhere = TrialResources.of(cfg, {"CPU": 96.0, "GPU": 8.0})
+    assert elsewhere.function_request(cfg) == {"cpu": 0.25} and elsewhere.cpus == 80.25
+
+
+def test_the_heads_trial_slots_cap_the_trials_at_once():
+    cfg = load_config("smoke", ["scaling.num_workers=1", "scaling.use_gpu=true", "scaling.gpus_per_worker=1",
+                                "scaling.cpus_per_worker=10"])
+    sixty_four_a100 = {"CPU": 8 * 96.0, "GPU": 64.0}
+    assert concurrent_trials(cfg, {"CPU": 0.0}, local=False, ceiling=sixty_four_a100) == 64
+    assert concurrent_trials(cfg, HEAD_SLOTS, local=False, ceiling=sixty_four_a100) == 16
+    assert concurrent_trials(cfg, {**HEAD_SLOTS, TRIAL_SLOT: 4.0}, local=False) == 1  # what fits now, under the cap

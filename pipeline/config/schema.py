@@ -389,8 +389,9 @@ class RunConfig(_Section):
 class TuneConfig(_Section):
     """A Ray Tune sweep (`vitsweep tune`): searcher, scheduler, budget. `vitsweep train` ignores it.
 
-    Every trial trains with this config's `scaling` (its own Ray Train workers) plus ``trial_cpus``
-    for the trial function that drives them; see README "Sweeps" for how that is sized.
+    Every trial trains with this config's `scaling` (its own Ray Train workers) plus a trial function
+    that drives them: on a head's trial slot where the cluster offers them, else holding ``trial_cpus``;
+    see README "Sweeps" for how that is sized.
     """
 
     name: str | None = None  # sweep directory and MLflow parent run; default: <space>-<time>
@@ -403,7 +404,8 @@ class TuneConfig(_Section):
     grace_period: int = Field(1, ge=1)  # ASHA: epochs every trial trains before it can be stopped
     reduction_factor: float = Field(2.0, gt=1.0)  # ASHA: keep the best 1/reduction_factor at each rung
     max_concurrent_trials: int | None = Field(None, ge=1)  # default: as many as the cluster's CPUs/GPUs fit
-    trial_cpus: float = Field(1.0, gt=0.0)  # CPUs held by each trial's driver function, on top of its workers
+    # CPUs held by each trial's function beside its workers; unused where the head offers trial slots
+    trial_cpus: float = Field(1.0, gt=0.0)
     seed: int | None = Field(None, ge=0)  # sampling seed; default: run.seed
 
     _usable_storage = field_validator("storage_path")(_check_directory)

@@ -183,15 +183,15 @@ def _scheduler(cfg: ExperimentConfig):
                          reduction_factor=cfg.tune.reduction_factor, brackets=1, stop_last_trials=False)
 
 
-def _trainable(sweep: Sweep):
+def _trainable(sweep: Sweep, need: TrialResources):
     cfg = sweep.cfg
     plan = SweepPlan(sweep.name, sweep.space, sweep.base_tree, sweep.data, sweep.tracking_uri,
                      cfg.tracking.experiment, sweep.parent_run_id, uris.join(sweep.directory, TRIAL_RUNS_DIR),
                      source=command_line(), init_sources=uris.join(sweep.directory, SWEEP_SOURCES))
-    return tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": cfg.tune.trial_cpus})
+    return tune.with_resources(tune.with_parameters(run_trial, plan=plan), need.function_request(cfg))
 
 
-def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
+def _tuner(sweep: Sweep, max_concurrent: int, need: TrialResources, local: bool) -> tune.Tuner:
     cfg = sweep.cfg
     if cfg.tune.searcher == "tpe":
         param_space = {"knobs": {dim.key: dim.tune_domain() for dim in sweep.space.dims}}
@@ -201,9 +201,10 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
     else:  # grid and random trials were fixed (and checked) up front
         param_space = {"knobs": tune.grid_search(sweep.plan.variants)}
         search_alg, num_samples = None, 1
-    growth = ClusterGrowthDeadline(start_timeout_s(), TrialResources.of(cfg).describe(cfg))
+    # a local Ray fits a trial (checked) and never grows: only a cluster's growth has a deadline
+    growth = [] if local else [ClusterGrowthDeadline(start_timeout_s(), need.describe(cfg))]
     return tune.Tuner(
-        _trainable(sweep),
+        _trainable(sweep, need),
         param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=cfg.tune.metric, mode=cfg.tune.mode, search_alg=search_alg, scheduler=_scheduler(cfg),
@@ -218,7 +219,7 @@ def _tuner(sweep: Sweep, max_concurrent: int) -> tune.Tuner:
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
                                      cfg.optim.epochs, cfg.tune.scheduler),
-                       SweepTable(cfg.tune.metric, cfg.optim.epochs), growth],
+                       SweepTable(cfg.tune.metric, cfg.optim.epochs), *growth],
         ),
     )
 
@@ -237,14 +238,14 @@ class SweepOutcome:
     knob_importance: importance.KnobImportance
 
 
-def _sweep_params(sweep: Sweep, max_concurrent: int) -> dict[str, Any]:
+def _sweep_params(sweep: Sweep, max_concurrent: int, need: TrialResources) -> dict[str, Any]:
     cfg = sweep.cfg
     params = {f"tune.{k}": v for k, v in cfg.tune.model_dump(mode="json").items()}
     params.update({
         "space": sweep.space.name, "space_files": ", ".join(sweep.space.sources),
         "searched_keys": ", ".join(sweep.space.keys), "derive": ", ".join(r.name for r in sweep.space.derive) or "none",
         "tune.mode": cfg.tune.mode, "model.name": cfg.model.name, "optim.epochs": cfg.optim.epochs,
-        "trial_resources": TrialResources.of(cfg).describe(cfg), "max_concurrent_trials_effective": max_concurrent,
+        "trial_resources": need.describe(cfg), "max_concurrent_trials_effective": max_concurrent,
         "trials_planned": len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples,
         "combinations_checked": sweep.plan.checked,
     })
@@ -266,6 +267,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     local = ray_address(address) == "local"
     cluster, ceiling = ray.cluster_resources(), None if local else autoscaler_ceiling()
     max_concurrent = concurrent_trials(cfg, cluster, local, ceiling)
+    need = TrialResources.of(cfg, cluster)
 
     parent = open_parent_run(sweep.tracking_uri, cfg.tracking.experiment, sweep.name, sweep.parent_run_id)
     sweep.parent_run_id = parent.run_id
@@ -276,14 +278,14 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         uris.write_bytes(sweep.record_path, sweep.record().encode())
         for (init_from, init_ema), source in sweep.sources.items():
             save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
-        parent.log_params(_sweep_params(sweep, max_concurrent))
+        parent.log_params(_sweep_params(sweep, max_concurrent, need))
         parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
         parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
                           RECORD_NAME: sweep.record()})
-        save_sweep_view(sweep, parent, _sweep_params(sweep, max_concurrent)["trials_planned"])
-    console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent)['trials_planned']} trials "
+        save_sweep_view(sweep, parent, _sweep_params(sweep, max_concurrent, need)["trials_planned"])
+    console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent, need)['trials_planned']} trials "
                  f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
-                 f"{max_concurrent} at a time, {TrialResources.of(cfg).describe(cfg)} each"
+                 f"{max_concurrent} at a time, {need.describe(cfg)} each"
                  + (f"; {len(sweep.plan.pruned)} pruned" if sweep.plan.pruned else "")
                  + f"\n  sweep directory: {sweep.directory}\n  resume with: vitsweep tune --resume {sweep.directory}"
                  + (f"\n  library output in {console.log_path}" if console.log_path else ""))
@@ -292,10 +294,10 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         console.line(notice)
 
     if resume and tune.Tuner.can_restore(sweep.directory):
-        tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep), resume_unfinished=True,
+        tuner = tune.Tuner.restore(sweep.directory, trainable=_trainable(sweep, need), resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:  # a new sweep, or one interrupted before Tune wrote its first state
-        tuner = _tuner(sweep, max_concurrent)
+        tuner = _tuner(sweep, max_concurrent, need, local)
     try:
         results = tuner.fit()
     except KeyboardInterrupt:
