@@ -3,7 +3,8 @@ reason, the console's last line says what happened, and nothing half-written is 
 The finished run a refused re-run must leave alone is the suite's ZeRO-3 run with --verbose
 (``finished_run``, conftest): its final weights, gathered from both ranks, and its console are checked
 here too. A killed worker and then a killed driver share one run (``killed_and_rerun``): the group
-restarts from its checkpoint, then the driver's re-run continues the same MLflow run."""
+restarts from its checkpoint, then the driver's re-run continues the same MLflow run. (SIGTERM to a
+training driver: test_training's linear probe.)"""
 import json
 import re
 import shutil
@@ -38,25 +39,6 @@ def _runs(storage: Path) -> list:
 
 def _last_line(output: str) -> str:
     return [line for line in output.splitlines() if line.strip()][-1]
-
-
-# SIGTERM (what `ray job stop`, Slurm and Kubernetes send; Ray's own handlers act on it) while training; both
-# signals share one handler (pipeline.interrupts), and SIGINT's exit is checked during start-up below.
-def test_a_signal_to_the_driver_ends_the_run_killed_and_stops_its_workers(tmp_path, digits16):
-    signum, exit_code = signal.SIGTERM, 143
-    storage = tmp_path / "runs"
-    # one worker: stopping a group is the subject, not how many it holds (a killed worker's peer is, below)
-    driver = RunningVitsweep(train_command(storage, digits16, "run.name=stopped", "optim.epochs=30",
-                                           "scaling.num_workers=1"))
-    driver.wait_for_line("epoch 1/30")
-    assert driver.train_workers()
-    driver.process.send_signal(signum)
-    assert driver.finish(timeout=120) == exit_code, driver.output[-3000:]
-    name = signal.Signals(signum).name
-    assert _last_line(driver.output).startswith(f"vitsweep train: interrupted by {name}; MLflow run")
-    (run,) = _runs(storage)
-    assert run.info.status == "KILLED" and run.data.tags["stop_reason"] == f"interrupted: {name}"
-    wait_for(lambda: not driver.processes(), 30, "every process the command started (its workers too) to end")
 
 
 def _ray_is_starting(driver: RunningVitsweep, cache: Path) -> bool:

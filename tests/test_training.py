@@ -1,6 +1,9 @@
-"""`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow."""
+"""`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow. Two runs: the
+cluster job's engine with an EMA (``two_epoch_run``), then a linear probe of its EMA weights, stopped by
+SIGTERM once its first epoch is checkpointed (``stopped_linear_probe``)."""
 import os
 import re
+import signal
 from pathlib import Path
 
 import mlflow
@@ -9,8 +12,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import (assert_scores_the_runs_metrics, processes_started_below, ray_processes, refused_in_process,
-                      run_vitsweep, train_command)
+from conftest import (RunningVitsweep, assert_scores_the_runs_metrics, processes_started_below, ray_processes,
+                      refused_in_process, run_vitsweep, train_command, wait_for)
 from pipeline.cli import EXIT_OK, main
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
@@ -222,3 +225,56 @@ def test_the_finished_run_is_a_model_source_by_name_and_by_its_mlflow_model(two_
     assert by_name.provenance.run_id == by_uri.provenance.run_id == run.info.run_id
     assert by_name.provenance.model_id == by_uri.provenance.model_id == run.outputs.model_outputs[0].model_id
     assert all(torch.equal(by_name.weights[key], by_uri.weights[key]) for key in by_name.weights)
+
+
+# -- a linear probe of that run's EMA, stopped by SIGTERM -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stopped_linear_probe(two_epoch_run, tmp_path_factory) -> tuple[Path, RunningVitsweep, int]:
+    """A linear probe (``model.freeze=backbone``) from the run above's EMA weights (``model.init_from`` its
+    run directory, ``model.init_ema``) on its dataset, one worker; sent SIGTERM (what `ray job stop`, Slurm
+    and Kubernetes send; Ray's own handlers act on it) once its first epoch's checkpoint is saved. SIGINT
+    shares the handler (pipeline.interrupts); its exit is checked during start-up (test_fault_injection)."""
+    source, _ = two_epoch_run
+    storage = tmp_path_factory.mktemp("probe")
+    data = {"train": source / "data" / "train.beton", "val": source / "data" / "val.beton"}
+    driver = RunningVitsweep(train_command(storage, data, "run.name=probe", "optim.epochs=30", "scaling.num_workers=1",
+                                           f"model.init_from={source / 'e2e'}", "model.init_ema=true",
+                                           "model.freeze=backbone"))
+    driver.wait_for_line("(checkpoint saved)")
+    assert driver.train_workers()
+    driver.process.send_signal(signal.SIGTERM)
+    return storage, driver, driver.finish(timeout=120)
+
+
+def test_a_signal_to_the_driver_ends_the_run_killed_and_stops_its_workers(stopped_linear_probe):
+    storage, driver, returncode = stopped_linear_probe
+    assert returncode == 143, driver.output[-3000:]
+    last = [line for line in driver.output.splitlines() if line.strip()][-1]
+    assert last.startswith("vitsweep train: interrupted by SIGTERM; MLflow run"), driver.output[-3000:]
+    _, run = _only_run(storage)
+    assert run.info.status == "KILLED" and run.data.tags["stop_reason"] == "interrupted: SIGTERM"
+    wait_for(lambda: not driver.processes(), 30, "every process the command started (its workers too) to end")
+
+
+def test_a_linear_probe_of_a_runs_ema_trains_on_the_ema_backbone_it_loaded_and_leaves_it_as_loaded(
+        stopped_linear_probe, two_epoch_run):
+    from safetensors.torch import load_file
+
+    from pipeline.components.checkpointing import read_meta
+
+    storage, driver, _ = stopped_linear_probe
+    (checkpoint,) = [path for path in (storage / "probe").glob("checkpoint_*")
+                     if path.is_dir() and read_meta(path)["epoch"] == 0]  # its first epoch's
+    trained = torch.load(next(checkpoint.rglob("*model_states.pt")), map_location="cpu", weights_only=True)["module"]
+    (final,) = {path.parent for path in (two_epoch_run[0] / "e2e").glob("checkpoint_*/model_ema.safetensors")}
+    ema, weights = load_file(final / "model_ema.safetensors"), load_file(final / "model.safetensors")
+    backbone = [name for name in ema if not name.startswith("head.")]
+    assert backbone and set(backbone) < set(trained)
+    # an epoch of training later, every backbone tensor (buffers too) is the source's EMA tensor, bit for bit
+    assert [name for name in backbone if not torch.equal(trained[name], ema[name].to(trained[name].dtype))] == []
+    assert [name for name in backbone if not torch.equal(ema[name], weights[name])]  # the EMA, not the final weights
+    _, run = _only_run(storage)
+    assert run.data.tags["init.source"] == str(two_epoch_run[0] / "e2e")
+    # the same ten digits: the head started from the EMA's too, and it alone trained
+    assert not torch.equal(trained["head.weight"], ema["head.weight"].to(trained["head.weight"].dtype))
