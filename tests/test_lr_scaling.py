@@ -109,3 +109,17 @@ def test_config_show_adds_the_effective_rate_and_global_batch(capsys):
     assert "optim.lr_effective=6.25e-05" in flat
     assert main(["config", "show", "--config", "smoke", *overrides]) == EXIT_OK
     assert capsys.readouterr().out.splitlines()[-1] == f"# {describe_lr(load_config('smoke', PER_BATCH).optim, 2)}"
+
+
+def test_every_worker_is_handed_the_rate_of_the_global_batch_not_of_its_own(tmp_path):
+    """The driver decides the rate once (what MLflow records as optim.lr_effective) and hands it to the
+    workers in their plan: each worker's own micro batch would give a quarter of it on 4 workers."""
+    from pipeline.tracking.store import MlflowRun
+    from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
+
+    cfg = _config(4, 32, 2, "linear")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10), "rated",
+                     str(tmp_path), uri)
+    plan = build_trainer(run, MlflowRun(uri, "run-id"), launched_at=0.0).train_loop_config
+    assert plan["lr"] == pytest.approx(5e-4 * (32 * 2 * 4) / 512)  # by hand: DeiT's rule on 256 images

@@ -49,7 +49,7 @@ from pipeline.components.engine import deepspeed_config
 from pipeline.errors import AlreadyFinished, Interrupted, InvalidInputError, RunFailed, error_line
 from pipeline.training.jobs import git_provenance
 from pipeline.trained.serving import log_model
-from pipeline.components.lr_scaling import describe_lr, recorded_params
+from pipeline.components.lr_scaling import describe_lr, effective_lr, recorded_params
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.training.epoch_logger import MLflowEpochLogger
@@ -364,8 +364,8 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, ca
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
-                      run.facts.gflops, announce, run.card.as_dict(),
-                      run.init.for_workers() if run.init is not None else None)
+                      run.facts.gflops, lr=effective_lr(cfg.optim, cfg.scaling.num_workers), announce=announce,
+                      model_card=run.card.as_dict(), init_weights=run.init.for_workers() if run.init is not None else None)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),

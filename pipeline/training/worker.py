@@ -33,7 +33,6 @@ from pipeline.components.accelerator import math_mode, mfu, peak_tflops, prepare
 from pipeline.components.engine import (compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32,
     low_precision_autocast, use_the_environments_ninja)
 from pipeline.components.losses import build_training_loss
-from pipeline.components.lr_scaling import effective_lr
 from pipeline.components.metrics import validation_metrics
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
@@ -55,6 +54,7 @@ class WorkerPlan:
     tracking_uri: str  # the run's MLflow store and run: each node's system metrics go there
     mlflow_run_id: str
     gmacs_per_image: float  # the model's forward multiply-adds (models.measure), for TFLOP/s and MFU
+    lr: float  # the peak rate, of the global batch (lr_scaling.effective_lr): decided once, recorded as optim.lr_effective
     announce: bool = True  # progress lines on the console (a sweep shows its own table instead)
     model_card: dict[str, Any] | None = None  # ModelCard.as_dict(): recorded in every checkpoint
     # model.init_from: {"location": the saved source, "plan": TransferPlan.as_dict()} (InitialWeights.for_workers)
@@ -134,7 +134,7 @@ class Trainer:
                                  TransferPlan.from_dict(self.plan.init_weights["plan"]))
         if cfg.model.freeze == "backbone":
             freeze_backbone(model)
-        optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, self.world_size))
+        optimizer = build_optimizer(model, cfg.optim, self.plan.lr)
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
         self.engine, _, _, _ = deepspeed.initialize(
