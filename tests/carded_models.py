@@ -2,8 +2,8 @@
 
 The card evaluates 16 px images at a 0.5 center crop with its own mean and std (none of them the
 defaults), so a 32 px image's input is its central 16 x 16 square, unresized: numpy slices and
-normalises it by hand. ``log_in_new_store`` logs a model with such a card by training's own
-``log_model``, for `predict`, `evaluate` and the served pyfunc to read (tests/test_prediction.py,
+normalises it by hand. ``log_in_new_store`` (``log_carded``: in a given store) logs a model with such
+a card by training's own ``log_model``, for `predict`, `evaluate` and the served pyfunc to read (tests/test_prediction.py,
 tests/test_evaluation.py, tests/test_serving.py)."""
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def carded_smoke_model(num_classes: int, seed: int) -> torch.nn.Module:
 
 def log_in_new_store(root: Path, model: torch.nn.Module, classes: Sequence[str]) -> tuple[str, str]:
     """``model`` logged with the card above in a new SQLite store under ``root``: (store URI, runs:/ URI)."""
+    uri = f"sqlite:///{root}/mlflow.db"
+    return uri, log_carded(uri, root, model, classes)
+
+
+def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: Sequence[str]) -> str:
+    """``model`` logged with the card above in the store at ``tracking_uri`` (its weights file written in
+    ``root`` first), by training's own ``log_model``: its runs:/ URI."""
     from safetensors.torch import save_model
 
     from pipeline.components.model_card import ModelCard
@@ -36,12 +43,11 @@ def log_in_new_store(root: Path, model: torch.nn.Module, classes: Sequence[str])
     from pipeline.trained.serving import log_model
 
     save_model(model, str(root / "model.safetensors"))
-    uri = f"sqlite:///{root}/mlflow.db"
-    run = MlflowStore(uri).create_run("vitsweep", "carded")
+    run = MlflowStore(tracking_uri).create_run("vitsweep", "carded")
     card = ModelCard.of_run(load_config("smoke", list(CARD_OVERRIDES)), len(classes), classes)
     log_model(run, model, [root / "model.safetensors"], card, step=1)
     run.end("FINISHED", "completed")
-    return uri, f"runs:/{run.run_id}/model"
+    return f"runs:/{run.run_id}/model"
 
 
 def card_probabilities(model: torch.nn.Module, images: np.ndarray) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A ``Container`` is what a file says one place gets: the KubeRay heads, worker containers and init
 containers of ``cluster/kuberay/`` (the pod's user from its ``securityContext``, its volumes from its
-``volumeMounts``, its environment from the image's ``ENV`` and its ``env``), and the launchers' head and
+``volumeMounts``, its environment from the image's ``ENV`` and its ``env``), a RayJob's submitter as
+KubeRay builds it from the RayJob (``rayjob_submitters``, ``submit_script``), and the launchers' head and
 GPU worker nodes of ``cluster/*.yaml`` (the image's user, the ``-v`` and ``-e`` of their ``docker``
 run options), with the ``vitsweep`` commands each file runs there. A new container or volume in
 ``cluster/`` is built without a new fixture.
@@ -130,6 +131,52 @@ def kuberay_containers() -> list[Container]:
                 built.append(built_from(container, f"{path} {group_name} container {container['name']}", role,
                                         drivers=role == "head"))
     return built
+
+
+# What KubeRay 1.7 gives a RayJob's submitter (ray-operator/controllers/ray: common/job.go
+# GetSubmitterTemplate, GetDefaultSubmitterContainer and BuildJobSubmitCommand; rayjob_controller.go
+# configureSubmitterContainer; common/pod.go SetContainerTokenAuthEnvVars): the RayJob's
+# submitterPodTemplate, else a pod of one container of the head's image with no securityContext and no
+# volume; PYTHONUNBUFFERED; under token auth RAY_AUTH_MODE and the token from key `auth_token` of
+# authOptions.secretName; and, where the template gives no command, the job's submission in `bash -ce`.
+SUBMITTER_TOKEN_KEY = "auth_token"
+DASHBOARD_HEALTH = ("python -c \"import urllib.request; r=urllib.request.urlopen('{address}/api/gcs_healthz', "
+                    "timeout=10); exit(0 if b'success' in r.read() else 1)\"")
+
+
+def rayjob_submitters() -> list[Container]:
+    """The submitter of each RayJob of ``cluster/kuberay/`` as KubeRay builds it (its command: ``submit_script``)."""
+    built = []
+    for path in KUBERAY:
+        doc = yaml.safe_load((CLUSTER / path).read_text())
+        if doc["kind"] != "RayJob":
+            continue
+        template = doc["spec"].get("submitterPodTemplate", {}).get("spec")
+        pod = template or {}
+        container = template["containers"][0] if template else {}
+        env = {**image_environment(), **_kubernetes_env(container), "PYTHONUNBUFFERED": "1"}
+        auth = doc["spec"]["rayClusterSpec"].get("authOptions", {})
+        if auth.get("mode") == "token":
+            env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": FROM_STORE.format(
+                kind="secretKeyRef", name=auth["secretName"], key=SUBMITTER_TOKEN_KEY)}
+        built.append(Container(f"{path} submitter", "submitter", _gpus(container), _volumes(container), env,
+                               _pod_user(pod, container), tuple(container.get("command", ()))))
+    return built
+
+
+def submit_script(rayjob: dict, address: str, job_id: str) -> str:
+    """The script KubeRay 1.7's submitter Job runs (K8sJobMode): wait for the dashboard's health, submit
+    unless ``job_id`` already is (``--no-wait``), then follow the job's logs. Its words joined by spaces,
+    the runtime environment as JSON in Go's quoting (``strconv.Quote``: JSON's, for this ASCII text)."""
+    spec, url = rayjob["spec"], f"http://{address}"
+    runtime_env = json.dumps(json.dumps(yaml.safe_load(spec["runtimeEnvYAML"]), separators=(",", ":"), sort_keys=True))
+    words = ["until", DASHBOARD_HEALTH.format(address=url), ">/dev/null", "2>&1", ";", "do", "echo",
+             json.dumps(f"Waiting for Ray Dashboard GCS to become healthy at {url} ..."), ";", "sleep", "2", ";",
+             "done", ";", "if", "!", "ray", "job", "status", "--address", url, job_id, ">/dev/null", "2>&1", ";",
+             "then", "ray", "job", "submit", "--address", url, "--no-wait", "--runtime-env-json", runtime_env,
+             "--submission-id", job_id, "--", spec["entrypoint"].strip(), ";", "fi", ";",
+             "ray", "job", "logs", "--address", url, "--follow", job_id]
+    return " ".join(words)
 
 
 def _volumes(container: dict) -> tuple[str, ...]:

@@ -11,21 +11,28 @@ every other check must pass or be skipped."""
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 
 import pytest
 import yaml
 
-from cluster_nodes import CLUSTER, KUBERAY, LAUNCHERS, Container, built_containers, node_process
+from carded_models import carded_smoke_model, log_carded
+from cluster_nodes import (CLUSTER, FROM_STORE, KUBERAY, LAUNCHERS, ROOT, SUBMITTER_TOKEN_KEY, Container,
+                           built_containers, dockerfile_workdir, node_process, rayjob_submitters,
+                           submit_script)
 from conftest import mlflow_server, nvml_problem_here
+from job_api import JobApi
 from pipeline.components.accelerator import GpuUnavailableError, check_gpu_node
 from pipeline.data.sidecar import read_sidecar, write_sidecar
+from pipeline.trained.registry import register_run
 from range_server import RangeServer
 
 pytestmark = pytest.mark.slow  # each command imports torch, DeepSpeed and FFCV (~10 s)
 
 JOB = "cluster/jobs/a100_8x8.yaml"  # the job the cluster files are sized for
-RAYJOB = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())["spec"]
+RAYJOB_FILE = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())
+RAYJOB = RAYJOB_FILE["spec"]
 # What vitsweep reads of a container's environment: containers that differ only elsewhere (NCCL's
 # settings, a cloud SDK's region) run its commands alike, so each distinct one runs once.
 READ_BY_VITSWEEP = ("VITSWEEP_", "MLFLOW_", "RAY_")
@@ -65,10 +72,20 @@ DOCTORS = distinct([(container, doctor_command(container)) for container in CONT
 # A train and a sweep of the RayJob's job, as its entrypoint writes them, on every kind of head.
 TRAIN = RAYJOB["entrypoint"]
 TUNE = TRAIN.replace("exec vitsweep train ", "exec vitsweep tune --space lr_wd ")
+# The job's model, registered, evaluated on the job's 64 workers on its validation data (the registry's
+# name: what `vitsweep register` and `tune --register` write, served here by the loopback MLflow server).
+REGISTERED = "models:/imagenet-classifier@champion"
+EVALUATE = re.sub(r"exec vitsweep train (.*) --set \"data.train=[^\"]*\" --set \"data.val=([^\"]*)\"",
+                  rf'exec vitsweep evaluate {REGISTERED} --workers 64 \1 --data "\2"', TRAIN)
 DRIVERS = distinct([(container, command) for container in CONTAINERS if container.runs_job_drivers
-                    for command in (TRAIN, TUNE)])
+                    for command in (TRAIN, TUNE, EVALUATE)])
 (KUBERAY_HEAD, *_) = [container for container in CONTAINERS
                       if container.where.startswith("kuberay/") and container.runs_job_drivers]
+(RAYJOB_HEAD,) = [container for container in CONTAINERS
+                  if container.where.startswith("kuberay/rayjob.yaml") and container.runs_job_drivers]
+(SUBMITTER,) = rayjob_submitters()
+RAY_TOKEN = "0123456789abcdef" * 4  # the Secret's value, as `openssl rand -hex 32` makes it (README)
+JOB_ID = "vitsweep-a100-8x8-x7k2p"  # KubeRay's: the RayJob's name and a random suffix
 HEAD_WITHOUT_FSGROUP = dataclasses.replace(KUBERAY_HEAD, where=f"{KUBERAY_HEAD.where} without its pod's fsGroup",
                                            claims=tuple((path, None) for path, _ in KUBERAY_HEAD.claims))
 HEAD_WITHOUT_CACHE = dataclasses.replace(
@@ -100,21 +117,63 @@ def ray_started(container: Container, mlflow_uri: str) -> dict[str, str]:
     return {"MLFLOW_TRACKING_URI": mlflow_uri} if container.where.startswith(LAUNCHERS) else {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Services:
+    """What the cluster's nodes reach, served here: the job's dataset (``VITSWEEP_DATA_URI``) over loopback
+    HTTP, and MLflow (the in-cluster Service, a launcher head's server) by a loopback server holding the
+    registered model ``REGISTERED``."""
+
+    data: dict[str, str]
+    mlflow_uri: str
+
+    def for_driver(self, container: Container) -> dict[str, str]:
+        return {**self.data, **served_here(container, self.mlflow_uri), **ray_started(container, self.mlflow_uri)}
+
+
 @pytest.fixture(scope="module")
-def ran_on_their_nodes(digits16, tmp_path_factory) -> dict[tuple[Container, str], tuple[int, str, str]]:
-    """Every distinct (container, command), run side by side (each mostly imports), the drivers' dataset
-    served over loopback HTTP and the in-cluster MLflow Service by a loopback MLflow server:
-    {(container, command): (exit code, stdout, stderr)}."""
+def services(digits16, tmp_path_factory):
     root = tmp_path_factory.mktemp("job-dataset")
     publish_as_the_jobs_dataset(digits16, root)
     with RangeServer(root) as server, mlflow_server(root / "mlflow.log", "--backend-store-uri",
-                                                    f"sqlite:///{root / 'mlflow.db'}") as mlflow_uri:
-        data = {"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}
-        running = {key: node_process(*key, served_here(key[0], mlflow_uri)) for key in DOCTORS}
-        running |= {key: node_process(*key, {**data, **served_here(key[0], mlflow_uri), **ray_started(key[0], mlflow_uri)})
-                    for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_WITHOUT_FSGROUP, TRAIN)]}
-        outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
+                                                    f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
+                                                    str(root / "artifacts")) as mlflow_uri:
+        logged = log_carded(mlflow_uri, root, carded_smoke_model(10, seed=0), [str(digit) for digit in range(10)])
+        register_run(mlflow_uri, logged.split("/")[1], *REGISTERED.removeprefix("models:/").split("@"))  # as `register`
+        yield Services({"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}, mlflow_uri)
+
+
+@pytest.fixture(scope="module")
+def ran_on_their_nodes(services) -> dict[tuple[Container, str], tuple[int, str, str]]:
+    """Every distinct (container, command), run side by side (each mostly imports):
+    {(container, command): (exit code, stdout, stderr)}."""
+    running = {key: node_process(*key, served_here(key[0], services.mlflow_uri)) for key in DOCTORS}
+    running |= {key: node_process(*key, services.for_driver(key[0]))
+                for key in [*DRIVERS, (HEAD_WITHOUT_CACHE, TRAIN), (HEAD_WITHOUT_FSGROUP, TRAIN)]}
+    outputs = {key: process.communicate(timeout=600) for key, process in running.items()}
     return {key: (running[key].returncode, *outputs[key]) for key in running}
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    returncode: int
+    output: str  # the submitter's, as `kubectl logs` shows it
+    api: JobApi
+
+
+@pytest.fixture(scope="module")
+def submitted_rayjob(services) -> Submission:
+    """The RayJob's submitter, built and run as KubeRay 1.7 runs it, its Secret's token the stand-in's,
+    against the head's job API on loopback (the head Service's address), which runs what arrives on the
+    RayJob's head as Ray's job supervisor runs an entrypoint."""
+    def as_the_job_supervisor(entrypoint: str, env_vars: dict[str, str]):
+        return node_process(RAYJOB_HEAD, shlex.join(["/bin/sh", "-c", entrypoint]),
+                            {**services.for_driver(RAYJOB_HEAD), **env_vars})
+
+    with JobApi(RAY_TOKEN, as_the_job_supervisor) as api:
+        script = submit_script(RAYJOB_FILE, api.address, JOB_ID)
+        submitter = node_process(SUBMITTER, shlex.join(["/bin/bash", "-ce", "--", script]), {"RAY_AUTH_TOKEN": RAY_TOKEN})
+        stdout, stderr = submitter.communicate(timeout=600)
+    return Submission(submitter.returncode, stdout + stderr, api)
 
 
 def doctor_lines(stdout: str) -> dict[str, tuple[str, str]]:
@@ -190,6 +249,33 @@ def test_a_jobs_driver_on_a_head_passes_every_check_and_stops_only_at_joining_th
     returncode, stdout, stderr = ran_on_their_nodes[(container, command)]
     where = f"{DRIVERS[(container, command)]}\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert returncode == 2 and stderr.strip().splitlines()[-1].startswith(f"vitsweep {verb(command)}: {NO_CLUSTER}"), where
+
+
+def test_the_rayjobs_submitter_sends_the_entrypoint_with_the_clusters_token_and_the_head_runs_it_to_joining_the_cluster(
+        submitted_rayjob):
+    """KubeRay's submitter: the head's image, its user, no volume, the token from the Secret the README
+    creates (key ``auth_token``, what KubeRay reads). It waits for the head's health (asked without the
+    token, as Ray allows), finds the job not yet submitted, submits the entrypoint and the runtime
+    environment as written, and follows the driver's output. What arrives runs on the RayJob's head through
+    Ray's shell: every check passes and it stops at joining the cluster, and the submitter's log says so."""
+    api, output = submitted_rayjob.api, submitted_rayjob.output
+    assert api.refused == [], output  # every request but the health check carried the token
+    assert SUBMITTER.user == ("1000", "100") and not SUBMITTER.volumes
+    assert SUBMITTER.env.get("RAY_AUTH_TOKEN") == FROM_STORE.format(kind="secretKeyRef", name="vitsweep-ray-auth",
+                                                                     key=SUBMITTER_TOKEN_KEY)
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"create secret generic vitsweep-ray-auth \\\n\s*--from-literal={SUBMITTER_TOKEN_KEY}=", readme)
+    (job,) = api.jobs.values()
+    assert job.request["submission_id"] == JOB_ID
+    assert job.request["runtime_env"]["env_vars"] == yaml.safe_load(RAYJOB["runtimeEnvYAML"])["env_vars"]
+    # as written (the image's code at its WORKDIR: this checkout here)
+    assert shlex.split(job.request["entrypoint"]) == shlex.split(TRAIN.replace(dockerfile_workdir(), str(ROOT)))
+    last = job.output.strip().splitlines()[-1]
+    assert job.returncode == 2 and last.startswith(f"vitsweep train: {NO_CLUSTER}"), job.output[-3000:]
+    # the driver's reason in the submitter's log; `ray job logs` itself ends 0 whatever the job did: the
+    # RayJob's status is the job's as the head reports it (KubeRay asks the head, not the submitter's exit)
+    assert job.details()["status"] == "FAILED"
+    assert submitted_rayjob.returncode == 0 and last in output and f"Job '{JOB_ID}' failed" in output, output[-3000:]
 
 
 def test_a_kuberay_head_without_its_cache_volume_refuses_the_job_naming_the_cache(ran_on_their_nodes):
