@@ -71,7 +71,8 @@ test: setup browser-packages
 # Mutation testing of one core module against its fast unit tests (pyproject's [tool.mutmut]): every
 # mutant mutmut makes of MODULE, then the score and each survivor. Minutes to an hour on 2 cores; not CI.
 MUTATION_MODULES := pipeline.components.metrics pipeline.components.losses pipeline.components.optim \
-	pipeline.components.checkpointing models.layers.mgcrp pipeline.data.rand_augment models.layers.svpn
+	pipeline.components.checkpointing models.layers.mgcrp pipeline.data.rand_augment models.layers.svpn \
+	pipeline.sweeps.importance
 mutation: mutation-module setup
 	@test -x $(BIN)/mutmut || $(BIN)/python -m pip install -q -c constraints.txt -e ".[mutation]"
 	rm -rf mutants

@@ -1,5 +1,6 @@
 """Knob importance (Optuna's fANOVA over a sweep's finished trials) on sweeps whose answer is known."""
 import itertools
+import math
 import random
 
 import pytest
@@ -98,3 +99,81 @@ def test_categorical_knobs_are_assessed_by_category():
     text = format_importance(found)
     assert text.splitlines()[0] == "knob importance for val_top1 (fANOVA over 9 configurations; shares sum to 1):"
     assert text.splitlines()[1].split()[:2] == ["qkv", f"{found.importances['model.args.qkv']:.2f}"]
+
+
+WD = Dimension("optim.weight_decay", "uniform", low=0.0, high=0.1)
+
+
+def test_the_space_each_knob_is_integrated_over_is_the_one_it_was_searched_over():
+    """fANOVA integrates a knob over its space: a choice (or any grid point) is a category; a uniform
+    range is itself; a log-uniform range is its log10, where it was sampled uniformly."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    from pipeline.sweeps.importance import _distribution
+
+    distribution, write = _distribution(LR, False, [1e-4, 1e-3])
+    assert distribution == FloatDistribution(-4.0, math.log10(3e-3))
+    assert write(1e-3) == pytest.approx(-3.0)
+    distribution, write = _distribution(WD, False, [0.01, 0.05])
+    assert distribution == FloatDistribution(0.0, 0.1) and write(0.05) == 0.05
+    # a category per value seen, each written as the sweep's table writes it
+    distribution, write = _distribution(CODE_SIZE, False, [8, 64, 8])
+    assert isinstance(distribution, CategoricalDistribution) and set(distribution.choices) == {"8", "64"}
+    assert write(64) == "64"
+    distribution, write = _distribution(LR, True, [3e-4, 1e-4, 3e-4])  # a grid's points are categories
+    assert isinstance(distribution, CategoricalDistribution) and len(distribution.choices) == 2
+    assert write(1e-4) in distribution.choices and write(3e-4) in distribution.choices
+
+
+def test_a_random_sweep_ranks_a_log_uniform_knob_on_its_log_scale():
+    """A random sweep over a log-uniform lr and a uniform weight decay, the metric linear in log10(lr)
+    (what a log-uniform knob's effect usually is) and blind to the weight decay: lr carries it."""
+    rng = random.Random(3)
+    draws = [(10 ** rng.uniform(-4, math.log10(3e-3)), rng.uniform(0.0, 0.1)) for _ in range(16)]
+    rows = _rows([({"optim.lr": lr, "optim.weight_decay": wd}, 60 + 10 * math.log10(lr) + rng.gauss(0, 0.2))
+                  for lr, wd in draws])
+    found = knob_importance(rows, "val_top1", [LR, WD], "random")
+    assert list(found.importances) == ["optim.lr", "optim.weight_decay"] and found.importances["optim.lr"] > 0.9
+    again = knob_importance(rows, "val_top1", [LR, WD], "random")
+    assert again.importances == found.importances  # the forest's seed is fixed: the same trials, the same answer
+
+
+def test_enough_configurations_are_four_per_varying_knob_and_at_least_eight():
+    three = [CODE_SIZE, LR, WD]
+    values = [({"model.args.code_size": c, "optim.lr": lr, "optim.weight_decay": wd}, 50 + c)
+              for c, lr, wd in itertools.product([8, 64], [1e-4, 1e-3], [0.0, 0.05, 0.1])]  # 12 configurations
+    too_few = knob_importance(_rows(values[:11]), "val_top1", three, "random")
+    assert too_few.needed == 12 and too_few.importances == {} and too_few.configurations == 11
+    enough = knob_importance(_rows(values), "val_top1", three, "random")
+    assert enough.needed == 12 and set(enough.importances) == {knob.key for knob in three}
+    two = knob_importance(_rows(values[:8]), "val_top1", [CODE_SIZE, LR], "random")  # 2 x 4 < 8: at least 8
+    assert two.needed == 8 and two.assessed
+
+
+def test_a_knob_with_one_value_is_named_and_kept_when_there_are_too_few_trials():
+    rows = _rows([({"model.args.code_size": c, "optim.lr": lr, "optim.weight_decay": 0.05}, 50.0 + c)
+                  for c, lr in [(8, 1e-4), (64, 1e-3)]])
+    found = knob_importance(rows, "val_top1", [CODE_SIZE, LR, WD], "random")
+    assert found.not_assessed == {"optim.weight_decay": "not assessed (one value in the completed trials)"}
+    assert format_importance(found).splitlines() == [
+        "knob importance for val_top1: too few trials to say (2 configurations; fANOVA needs at least 8: "
+        f"{CONFIGURATIONS_PER_KNOB} per knob, at least {MIN_CONFIGURATIONS})",
+        "  weight_decay: not assessed (one value in the completed trials)"]
+
+
+def test_no_knob_varying_is_said_so():
+    rows = _rows([({"optim.lr": 1e-3}, 70.0)] * 3)
+    assert format_importance(knob_importance(rows, "val_top1", [LR], "random")) == (
+        "knob importance for val_top1: no knob varies over the completed trials\n"
+        "  lr: not assessed (one value in the completed trials)")
+
+
+def test_each_knobs_line_aligns_its_name_and_draws_a_bar_of_forty_for_a_share_of_one():
+    rows = _grid(lambda code_size, lr, seed, rng: 50 + 0.5 * code_size + rng.gauss(0, 0.5))
+    found = knob_importance(rows, "val_top1", [CODE_SIZE, LR], "grid")
+    code_size, lr = found.importances["model.args.code_size"], found.importances["optim.lr"]
+    assert format_importance(found).splitlines()[1:] == [
+        f"  code_size  {code_size:.2f}  {'#' * round(40 * code_size)}",
+        f"  lr         {lr:.2f}  {'#' * round(40 * lr)}".rstrip()]
+    assert format_importance(found, bars=False).splitlines()[1:] == [
+        f"  code_size  {code_size:.2f}", f"  lr         {lr:.2f}"]
