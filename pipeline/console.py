@@ -7,7 +7,8 @@ actor output, DeepSpeed's and Ray's own lines) to the run's log file, with the l
 logging and warnings of the driver itself. ``--verbose`` shows that output on the console too.
 
 On a terminal the progress line is redrawn in place; otherwise (a file, CI, a Ray job's log) each
-progress line is a plain line and no ANSI codes are written.
+progress line is a plain line and no ANSI codes are written. Either way an epoch's line comes before the
+next epoch's progress (``EpochOrder``), though two processes print them.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import TextIO
 from pipeline.uris import redact
 
 MARK = "\x1evitsweep\x1e "  # prefix of vitsweep's own lines printed inside Ray processes
-PROGRESS = "progress "  # after MARK: a progress line, redrawn in place on a terminal
+PROGRESS = "progress "  # after MARK: "progress EPOCH TEXT", a progress line, redrawn in place on a terminal
+EPOCH_END = "epoch-end "  # after MARK: "epoch-end EPOCH TEXT", an epoch's line
 LOG_FILE_NAME = "vitsweep.log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Library loggers whose records belong in the log file, not on the console.
@@ -43,8 +45,46 @@ def say(text: str) -> None:
         print(MARK + line, flush=True)
 
 
-def say_progress(text: str) -> None:
-    print(MARK + PROGRESS + text, flush=True)
+def say_progress(epoch: int, text: str) -> None:
+    """A progress line of ``epoch`` (rank 0's, inside the epoch)."""
+    print(f"{MARK}{PROGRESS}{epoch} {text}", flush=True)
+
+
+def say_epoch_end(epoch: int, text: str) -> None:
+    """``epoch``'s line (Ray Train's controller's, once the epoch is reported)."""
+    print(f"{MARK}{EPOCH_END}{epoch} {text}", flush=True)
+
+
+class EpochOrder:
+    """Epoch E's line before epoch E+1's progress. Rank 0 prints the progress and the controller the
+    epoch's line; Ray forwards each process's output on its own, and rank 0 starts the next epoch as soon
+    as it has reported, so its progress can arrive first. A progress line of a later epoch waits while an
+    earlier epoch's line is due; it is let out by that line, by a progress line of an epoch not later than
+    the one due (the group restarted from a checkpoint: that line will not come), or at the end."""
+
+    def __init__(self) -> None:
+        self.due: int | None = None  # the epoch whose progress was shown and whose line has not come
+        self.held: list[tuple[int, str]] = []
+
+    def progress(self, epoch: int, text: str) -> list[str]:
+        """The progress lines to show now, in order."""
+        if self.due is not None and epoch > self.due:
+            self.held.append((epoch, text))
+            return []
+        shown = [held for _, held in self.held] + [text]
+        self.held, self.due = [], epoch
+        return shown
+
+    def epoch_end(self, epoch: int) -> list[str]:
+        """The progress lines to show after ``epoch``'s line."""
+        if self.due is not None and epoch < self.due:
+            return []
+        held, self.held, self.due = self.held, [], None
+        return [shown for epoch, text in held for shown in self.progress(epoch, text)]
+
+    def release(self) -> list[str]:
+        held, self.held = self.held, []
+        return [text for _, text in held]
 
 
 def quiet_environment() -> None:
@@ -109,6 +149,7 @@ class Console:
         self.log_path: Path | None = None
         self._lock = threading.Lock()
         self._live = False  # a progress line is on screen, to be overwritten
+        self._epochs = EpochOrder()
         self._buffer = io.StringIO() if buffered else None
         self._log: TextIO | None = None
         self._handler = logging.StreamHandler(self)
@@ -213,7 +254,14 @@ class Console:
         who = data.get("actor_name") or data.get("task_name") or "worker"
         for line in data.get("lines", ()):
             if line.startswith(MARK + PROGRESS):
-                self.progress(line[len(MARK + PROGRESS):])
+                epoch, text = line[len(MARK + PROGRESS):].split(" ", 1)
+                for shown in self._epochs.progress(int(epoch), text):
+                    self.progress(shown)
+            elif line.startswith(MARK + EPOCH_END):
+                epoch, text = line[len(MARK + EPOCH_END):].split(" ", 1)
+                self.line(text)
+                for shown in self._epochs.epoch_end(int(epoch)):
+                    self.progress(shown)
             elif line.startswith(MARK):
                 self.line(line[len(MARK):])
             else:
@@ -225,6 +273,8 @@ class Console:
         return self
 
     def close(self) -> None:
+        for shown in self._epochs.release():
+            self.progress(shown)
         with self._lock:
             self._end_live()
             self.stream.flush()

@@ -58,6 +58,10 @@ def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
     storage, result = two_epoch_run
     assert "epoch 1/2  train_loss" in result.stdout and "epoch 2/2  train_loss" in result.stdout
     assert re.search(r"^epoch 1/2  step \d+/\d+  loss [\d.]+  \d+ img/s  eta \d+:\d\d$", result.stdout, re.M)
+    # piped (not a terminal), in order: each epoch's progress, its line, then the next epoch's progress
+    order = [(int(epoch), kind == "train_loss")
+             for epoch, kind in re.findall(r"^epoch (\d+)/2  (step|train_loss)", result.stdout, re.M)]
+    assert order == sorted(order) and order.count((1, True)) == order.count((2, True)) == 1, result.stdout
     assert f"sqlite:///{storage}/mlflow.db" in result.stdout and "mlflow ui" in result.stdout
     assert "workflowType=machine_learning" in result.stdout  # the UI link opens the runs view, not GenAI
 

@@ -1,11 +1,12 @@
 """The Ray Train callback that turns each epoch's report into one MLflow step and one console line."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from ray.train import UserCallback
 
-from pipeline.console import say
+from pipeline.console import say, say_epoch_end
 from pipeline.report_keys import DIVERGED_KEY
 from pipeline.tracking.store import MlflowRun
 
@@ -28,8 +29,9 @@ class MLflowEpochLogger(UserCallback):
             show(f"loss diverged at {where}: stopping")
             return
         self.run.log_epoch(reported)
-        show(
-            f"epoch {int(reported['epoch'])}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
+        epoch = int(reported["epoch"])
+        (partial(say_epoch_end, epoch) if self.announce else print)(
+            f"epoch {epoch}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
             f"val_loss {reported['val_loss']:.4f}  val_top1 {reported['val_top1']:.2f}%  "
             f"val_top5 {reported['val_top5']:.2f}%  lr {reported['lr']:.2e}  "
             f"{reported['images_per_sec']:.0f} img/s  {reported['epoch_time_s']:.1f}s"

@@ -283,8 +283,9 @@ class Trainer:
         if self.rank != 0 or not self.plan.announce:
             return
         eta = seconds / done * (steps - done)
-        say_progress(f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  loss {stats.mean_loss:.4f}  "
-                     f"{stats.samples / max(seconds, 1e-9):.0f} img/s  eta {_duration(eta)}")
+        say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  "
+                                f"loss {stats.mean_loss:.4f}  {stats.samples / max(seconds, 1e-9):.0f} img/s  "
+                                f"eta {_duration(eta)}")
 
     def evaluate(self, with_ema: bool = True) -> dict[str, float]:
         metrics = validation_metrics(self.engine, self.val_loader, self.input_dtype, self.device)
