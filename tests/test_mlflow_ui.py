@@ -11,6 +11,8 @@ its page the evaluation (its dataset and metrics).
 
 The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` refreshes the README's
 tests/ui_screenshots/), else to the test's temp dir."""
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -81,7 +83,8 @@ REGISTERED = "ui-classifier"
 @pytest.fixture(scope="module")
 def evaluated(store, runs):
     """The training run's model evaluated on its validation set and registered, by the commands themselves
-    in this process (a few seconds: no training); the evaluation's MLflow run."""
+    in this process (a few seconds: no training); the evaluation's MLflow run, and the UI link `register`
+    printed."""
     from pipeline.cli import main
     from pipeline.trained.evaluation import ROLE, ROLE_TAG
 
@@ -90,17 +93,20 @@ def evaluated(store, runs):
     source, settings = f"runs:/{trained.info.run_id}/model", ["--set", f"run.storage_path={storage}"]
     data = storage.parent / trained.data.params["data.val"]  # a relative path is the user directory's (the store's parent)
     assert main(["evaluate", source, "--data", str(data), *settings]) == 0
-    assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["register", source, REGISTERED, "--alias", "champion", *settings]) == 0
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     # the store's other evaluations (README "After training" evaluates its pre-trained run) name another source
     (evaluation,) = client.search_runs([experiment], f"tags.`{ROLE_TAG}` = '{ROLE}' and "
                                                      f"tags.`vitsweep.source_run_id` = '{trained.info.run_id}'")
-    return evaluation
+    return evaluation, PRINTED_LINK.search(printed.getvalue()).group(1)
 
 
 def test_the_logged_models_page_lists_its_evaluation_on_its_dataset(
         server, store, runs, evaluated, browser, screenshots):
     experiment, trained, _, _ = runs
+    evaluated, _ = evaluated
     (output,) = MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").get_run(trained.info.run_id).outputs.model_outputs
     assert evaluated.data.tags["vitsweep.source_model_id"] == output.model_id
     data_name = Path(trained.data.params["data.val"]).name
@@ -111,6 +117,17 @@ def test_the_logged_models_page_lists_its_evaluation_on_its_dataset(
     # the evaluation's val_top1 row: metric, dataset, source run, value (the table's columns, one line each)
     value = _as_the_ui_prints(evaluated.data.metrics["val_top1"])
     assert f"val_top1\n{data_name} (#" in text and f"\n{evaluated.info.run_name}\n{value}\n" in text
+
+
+def test_the_link_register_prints_opens_the_versions_page_in_the_model_training_view(
+        server, evaluated, browser, screenshots):
+    _, printed = evaluated
+    browser.open(printed.replace("http://127.0.0.1:5000", server))
+    browser.wait_for_text("Version 1", "champion")
+    browser.screenshot(screenshots / "model_version.png")
+    facts = browser.facts()
+    assert REGISTERED in facts["text"] and "Model registry" in facts["text"]  # the model-training sidebar
+    assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
 def _as_the_ui_prints(value: float) -> str:

@@ -44,7 +44,9 @@ def test_a_run_registers_as_a_version_of_its_logged_model_with_its_metrics_and_d
     assert version.tags["dataset.validation"] == "val.beton"
     assert version.tags["dataset.training.sha256"] == read_sidecar(logged_run.data["train"]).sha256
     assert version.tags["model.name"] == "xcit_nano_12_p8" and version.tags["run_name"] == "logged"
-    assert "untrained" in version.description and "Final: val_top1 12.5" in version.description
+    # the run's description ("**xcit_nano_12_p8**, untrained.", markdown the run page renders) in plain text:
+    # the versions table shows a description as written
+    assert version.description.startswith("xcit_nano_12_p8, untrained. Final: val_top1 12.5"), version.description
     assert {"name": "digits-model", "version": "1"} in _listed_versions(logged_run)
     source = resolve_model_source("models:/digits-model@champion", storage_path=".", tracking_uri=logged_run.uri)
     assert (source.provenance.model_id, source.provenance.registered_version) == (logged_run.model_id, "1")
@@ -110,8 +112,13 @@ def test_a_sweep_stands_for_its_best_trial_that_trained_every_epoch(tmp_path, tr
     (version,) = _versions(store, "lr-best")
     assert (version.tags["trial_id"], version.tags["sweep"], version.tags["val_top1"]) == ("t2", "lr-sweep", "70")
     assert json.loads(version.tags["knobs"]) == {"optim.lr": 70.0}
-    assert "trial t2 of sweep `lr-sweep`" in version.description
-    assert f"load it as: models:/lr-best/1 (MLflow store {store})" in capsys.readouterr().out
+    assert "trial t2 of sweep 'lr-sweep'" in version.description
+    assert not any(mark in version.description for mark in ("`", "**", "\n"))  # the versions table shows it as is
+    printed = capsys.readouterr().out
+    assert f"load it as: models:/lr-best/1 (MLflow store {store})" in printed
+    # where to see it: the version's page in the model-training view, on the UI `mlflow ui` serves the store on
+    assert (f"  see it with: mlflow ui --backend-store-uri {store}\n"
+            "  then open: http://127.0.0.1:5000/#/models/lr-best/versions/1?workflowType=machine_learning\n") in printed
 
 
 def test_a_min_mode_sweep_stands_for_its_lowest_trial(tmp_path, trained_weights):

@@ -16,7 +16,7 @@ import torch
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
+from carded_models import card_probabilities, carded_smoke_model, log_carded, log_in_new_store
 from pipeline.trained.model_source import resolve_model_source
 from pipeline.trained.prediction import ImageClassifier
 from pipeline.trained.serving import pip_requirements
@@ -116,3 +116,17 @@ def test_an_unreadable_image_in_a_request_is_the_callers_error_naming_its_row(in
 def test_more_classes_than_the_model_has_are_refused(in_store):
     with pytest.raises(MlflowException, match="top-k 11: the model has 10 classes"):
         mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}), params={"topk": 11})
+
+
+def test_a_logged_model_is_logged_from_its_runs_vitsweep_command_not_from_the_process_that_logs_it(tmp_path):
+    """The UI's "Logged from" of a logged model: a sweep trial logs its model inside Ray's
+    default_worker.py (here: pytest), which is not where it came from; its run's command is."""
+    from pipeline.tracking.store import run_origin
+
+    uri, command = f"sqlite:///{tmp_path}/mlflow.db", "vitsweep tune --space lr_wd --config smoke"
+    logged = log_carded(uri, tmp_path, carded_smoke_model(10, seed=0), [str(digit) for digit in range(10)],
+                        run_origin("a trial", command))
+    client = mlflow.MlflowClient(uri)
+    (output,) = client.get_run(logged.split("/")[1]).outputs.model_outputs
+    tags = client.get_logged_model(output.model_id).tags
+    assert (tags["mlflow.source.name"], tags["mlflow.source.type"]) == (command, "LOCAL")

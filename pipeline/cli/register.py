@@ -33,13 +33,16 @@ def add_alias_argument(parser: argparse.ArgumentParser, flag: str = "--alias") -
 
 
 def announce(registration) -> str:
-    """The console's lines about a registration."""
+    """The console's lines about a registration: what it is, how to load it, where to see it."""
+    from pipeline.tracking.ui import where_to_look_at_version
+
     outcome = (f"registered run {registration.run_id} as {registration.name!r} version {registration.version}"
                if registration.created else
                f"run {registration.run_id} is {registration.name!r} version {registration.version} already: no new "
                "version")
     alias = f"; alias {registration.alias!r} -> version {registration.version}" if registration.alias else ""
-    return f"{outcome}{alias}\n  load it as: {registration.uri} (MLflow store {registration.tracking_uri})"
+    return (f"{outcome}{alias}\n  load it as: {registration.uri} (MLflow store {registration.tracking_uri})\n"
+            + where_to_look_at_version(registration.tracking_uri, registration.name, registration.version))
 
 
 def registered_run(given: str, cfg) -> tuple[str, str]:

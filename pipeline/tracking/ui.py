@@ -1,8 +1,9 @@
 """Links into the MLflow UI: a run's page, an experiment's runs table in a saved view, the compare page,
-and the console lines that say where to look."""
+a registered model version's page, and the console lines that say where to look."""
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 WORKFLOW_TYPE = "workflowType=machine_learning"  # MLflow 3.17's UI opens experiments in its GenAI view otherwise
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
@@ -36,6 +37,11 @@ def ui_compare_link(uri: str, experiment_id: str, run_ids: list[str]) -> str:
             f"&experiments={json.dumps([experiment_id])}&{WORKFLOW_TYPE}")
 
 
+def ui_version_link(uri: str, name: str, version: str) -> str:
+    """A registered model version's page (the UI's ``/models/:modelName/versions/:version``)."""
+    return f"{_ui_root(uri)}/#/models/{quote(name, safe='')}/versions/{version}?{WORKFLOW_TYPE}"
+
+
 def ui_server(uri: str) -> str:
     """Where the UI of store ``uri`` is served: the server itself, or `mlflow ui` for a local store."""
     return uri if uri.startswith(("http://", "https://")) else LOCAL_UI
@@ -43,7 +49,15 @@ def ui_server(uri: str) -> str:
 
 def where_to_look(uri: str, experiment_id: str, run_id: str | None = None, view: str | None = None) -> str:
     """The console's lines saying where a run or sweep is in the MLflow UI."""
-    link = ui_link(ui_server(uri), experiment_id, run_id, view)
+    return _see_it(uri, ui_link(ui_server(uri), experiment_id, run_id, view))
+
+
+def where_to_look_at_version(uri: str, name: str, version: str) -> str:
+    """The console's lines saying where a registered model version is in the MLflow UI."""
+    return _see_it(uri, ui_version_link(ui_server(uri), name, version))
+
+
+def _see_it(uri: str, link: str) -> str:
     if uri.startswith(("http://", "https://")):
         return f"  MLflow UI: {link}"
     return f"  see it with: mlflow ui --backend-store-uri {uri}\n  then open: {link}"

@@ -12,6 +12,7 @@ run, or a sweep's best trial (``pipeline.sweeps.best_trial``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from mlflow.exceptions import MlflowException
@@ -113,13 +114,19 @@ def _logged_model(client, run) -> str:
 
 
 def describe_version(run) -> str:
-    """The training run's own description, then its final metrics and where it came from."""
+    """The training run's own description, then its final metrics and where it came from, in plain text:
+    the UI's versions table shows a description as written (the run page renders the run's markdown)."""
     metrics = run.data.metrics
     shown = ", ".join(f"{key} {metrics[key]:.4g}" for key in REPORTED_METRICS if key in metrics)
-    origin = f"run `{run.info.run_name}` ({run.info.run_id})"
+    origin = f"run '{run.info.run_name}' ({run.info.run_id})"
     if run.data.tags.get("trial_id"):
-        origin += f", trial {run.data.tags['trial_id']} of sweep `{run.data.tags.get('sweep', '?')}`"
-    return f"{run.data.tags.get('mlflow.note.content', '').strip()}\n\nFinal: {shown}. From {origin}.".strip()
+        origin += f", trial {run.data.tags['trial_id']} of sweep '{run.data.tags.get('sweep', '?')}'"
+    return f"{_plain(run.data.tags.get('mlflow.note.content', ''))} Final: {shown}. From {origin}.".strip()
+
+
+def _plain(markdown: str) -> str:
+    """vitsweep's run descriptions without their markdown: **bold** as is, `code` in quotes, one line."""
+    return " ".join(re.sub(r"\*\*(.+?)\*\*", r"\1", markdown).replace("`", "'").split())
 
 
 def version_tags(run) -> dict[str, str]:

@@ -33,6 +33,7 @@ import pandas as pd
 from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
+from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE
 from PIL import Image
 
 from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
@@ -81,12 +82,16 @@ def log_model(mlflow_run: MlflowRun, model, weights: list[Path], card: ModelCard
     logged model's id."""
     for path in weights:
         mlflow_run.log_artifact(path)
+    # The UI's "Logged from": the run's own source (the vitsweep command), not this process's script (a
+    # sweep trial logs its model from Ray's default_worker.py).
+    run_tags = mlflow_run.get().data.tags
+    source = {key: run_tags[key] for key in (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE) if key in run_tags}
     # The run active (not only named): MLflow files the logged model under the active run's experiment.
     with fluent_tracking_uri(mlflow_run.uri), mlflow.start_run(run_id=mlflow_run.run_id), library_prints():
         # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
         logged = Model.log(None, flavor=sys.modules[__name__], name=LOGGED_MODEL_NAME, flavor_name="pytorch",
                            step=step, metadata={MLFLOW_METADATA_KEY: card.as_dict()}, pytorch_model=model.eval(),
-                           weights=weights, card=card, serialization_format="pickle")
+                           weights=weights, card=card, serialization_format="pickle", tags=source)
     return logged.model_id
 
 
