@@ -156,12 +156,22 @@ def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(ser
                                                                              screenshots):
     _, _, sweep, trials = runs
     browser.open(_printed(store, "sweep", server))
-    browser.wait_for_text(sweep.info.run_name, *(run.info.run_name for run in trials), "epochs_trained")  # the rows
-    browser.screenshot(screenshots / "sweep_runs.png")
+    browser.wait_for_text(sweep.info.run_name, *(run.info.run_name for run in trials), "val_top1")  # the rows
     facts = browser.facts(every_column=True)
     assert facts["heading"] == "Runs" and "Parameters" in facts["column_groups"]  # not GenAI's "Overview"
-    knob_columns = {f"params.`{name}`" for name in KNOBS.values()}
-    assert knob_columns | {"metrics.`val_top1`", "metrics.`epochs_trained`"} <= set(facts["columns"])
+    knob_columns = [f"params.`{name}`" for name in KNOBS.values()]
+    assert {"metrics.`val_top1`", *knob_columns} <= set(facts["columns"])
+    # on a 1280 x 800 screen (the Assistant panel dismissed): the sweep's metric and every knob in view, on
+    # screen inside the table, and the best trial first
+    with browser.sized(1280, 800):
+        browser.screenshot(screenshots / "sweep_runs.png")
+        shown = browser.facts()
+    for column in ["metrics.`val_top1`", *knob_columns]:
+        assert column in shown["boxes"], (column, shown["columns"])
+        left, right = shown["boxes"][column]
+        assert 0 <= left < right <= shown["table_right"], (column, shown["boxes"], shown["table_right"])
+    best = max(run.data.metrics["val_top1"] for run in trials)
+    assert any(run.info.run_name in shown["first_row"] for run in trials if run.data.metrics["val_top1"] == best)
 
 
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):

@@ -177,7 +177,7 @@ def test_each_trial_carries_its_knobs_as_short_params_and_the_sweep_a_saved_view
     assert all(run.data.params["lr_per_512"] == run.data.params["optim.lr_per_512"] for run in children.values())
     experiment = client.get_experiment(parent.info.experiment_id)
     view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.vitsweep-asha"])["state"])
-    assert view["selectedColumns"][:3] == ["params.`lr_per_512`", "params.`optim.lr_effective`", "metrics.`val_top1`"]
+    assert view["selectedColumns"][:3] == ["metrics.`val_top1`", "params.`lr_per_512`", "params.`optim.lr_effective`"]
     assert parent.info.run_id in view["searchFilter"]
     assert "lr_per_512" in parent.data.tags["mlflow.note.content"]
 

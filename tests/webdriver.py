@@ -4,6 +4,7 @@ Debian's `chromium` and `chromium-driver`."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -24,10 +26,18 @@ NO_ASSISTANT_PANEL = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "ml
 
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C WebDriver key of an element reference
 
-# What a test asserts on: the page heading, and the runs table's header cells (ag-grid) by column id.
+# What a test asserts on: the page heading; the runs table's header cells (ag-grid) by column id, with
+# where each is on screen (left, right) and the right edge of the table's scrolled part; the first row's
+# pinned cells (its run name); and the page text.
 PAGE_FACTS_JS = """
+const headers = [...document.querySelectorAll('.ag-header-cell[col-id]')];
+const table = document.querySelector('.ag-center-cols-viewport');
 return {heading: (document.querySelector('h2') || {}).innerText || null,
-        columns: [...document.querySelectorAll('.ag-header-cell[col-id]')].map(h => h.getAttribute('col-id')),
+        columns: headers.map(h => h.getAttribute('col-id')),
+        boxes: Object.fromEntries(headers.map(h => [h.getAttribute('col-id'),
+                                                    [h.getBoundingClientRect().left, h.getBoundingClientRect().right]])),
+        table_right: table ? Math.min(table.getBoundingClientRect().right, window.innerWidth) : null,
+        first_row: (document.querySelector('.ag-pinned-left-cols-container .ag-row[row-index="0"]') || {}).innerText || null,
         column_groups: [...document.querySelectorAll('.ag-header-group-cell')].map(h => h.innerText.trim()),
         text: document.body.innerText};
 """
@@ -185,6 +195,15 @@ class Browser:
         if every_column:
             self._resize(self.width, self.height)
         return facts
+
+    @contextlib.contextmanager
+    def sized(self, width: int, height: int) -> Iterator[None]:
+        """The viewport ``width`` x ``height`` for the block (a smaller screen than the session's)."""
+        self._resize(width, height)  # shrinking: every box is read where it is drawn now
+        try:
+            yield
+        finally:
+            self._resize(self.width, self.height)
 
     def screenshot(self, path: Path) -> Path:
         """The viewport as a PNG reduced to a 256-colour palette (UI screenshots stay legible and small)."""

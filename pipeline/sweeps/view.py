@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
-from pipeline.sweeps.report import REPORTED, SEED_KEY
+from pipeline.sweeps.report import SEED_KEY
 from pipeline.sweeps.spaces import SearchSpace, short_keys
 from pipeline.sweeps.tracking import PARENT_TAG
 
@@ -73,12 +73,14 @@ def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
 
 
 def sweep_view(space: SearchSpace, metric: str, mode: str, parent_run_id: str, trials: int) -> dict[str, Any]:
-    """The whole saved view: the trials (children of the sweep's parent run), best first, a column per
-    knob and metric, and the chart view above."""
-    metrics = [metric, *(m for m in REPORTED if m != metric), "epochs_trained"]
+    """The whole saved view: the trials (children of the sweep's parent run), best first, the sweep's
+    metric and a column per knob, and the chart view above.
+
+    MLflow 3.17's runs table pins Run Name, Created and Duration on the left and then shows every
+    selected metric before any param, so each other metric shown would push the knobs off a 1280-px
+    window: they are one click away (Columns), and in the sweep's summary and `vitsweep compare`."""
     rates = [EFFECTIVE_LR_PARAM] if set(space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
-    columns = [*(f"params.`{name}`" for name in [*param_names(space).values(), *rates]),
-               *(f"metrics.`{m}`" for m in metrics),
-               "tags.`stop_reason`", "attributes.`User`"]
+    columns = [f"metrics.`{metric}`", *(f"params.`{name}`" for name in [*param_names(space).values(), *rates]),
+               "tags.`stop_reason`"]
     return {"searchFilter": f"tags.`{PARENT_TAG}` = '{parent_run_id}'", "orderByKey": f"metrics.`{metric}`",
             "orderByAsc": mode == "min", "selectedColumns": columns, **chart_state(space, metric, trials)}
