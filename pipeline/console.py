@@ -80,9 +80,10 @@ class EpochOrder:
         if self.due is not None and epoch < self.due:
             return []
         held, self.held, self.due = self.held, [], None
-        return [shown for epoch, text in held for shown in self.progress(epoch, text)]
+        return [shown for later, text in held for shown in self.progress(later, text)]
 
     def release(self) -> list[str]:
+        """What still waits when the command ends (its epoch's line never came: a run killed or diverged)."""
         held, self.held = self.held, []
         return [text for _, text in held]
 
