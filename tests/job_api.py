@@ -55,7 +55,8 @@ class JobApi:
         started = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
         self._thread.start()
-        started.wait(30)
+        if not started.wait(30):  # else a submitter would wait for its health until its own timeout
+            raise RuntimeError(f"the job API stand-in did not start on port {self.port}")
         return self
 
     def __exit__(self, *exc) -> None:
