@@ -72,12 +72,15 @@ class Sizes:
     svpn_batch: int
     max_batch: int  # the bound of the micro-batch search
     depth: int | None = None  # every model one block deep (tiny), else the paper's
+    # how many models' steps are profiled (all on the GPU; tiny: the first, the same code path for each,
+    # while reading a profile back costs seconds per step on CPU)
+    profiled_models: int | None = None
 
     @classmethod
     def of(cls, tiny: bool) -> Sizes:
         if tiny:
             return cls(img_size=32, num_classes=10, batch=4, warmup=1, steps=2, augment_batch=8, svpn_batch=2,
-                       max_batch=8, depth=1)
+                       max_batch=8, depth=1, profiled_models=1)
         return cls(img_size=224, num_classes=1000, batch=128, warmup=5, steps=20, augment_batch=256,
                    svpn_batch=128, max_batch=2048)
 
@@ -274,7 +277,8 @@ def batch_fits(step: Callable[[int], None], device) -> Callable[[int], bool]:
     return fits
 
 
-def step_comparison(model: PaperModel, sizes: Sizes, device, peak: float | None, search: bool) -> dict:
+def step_comparison(model: PaperModel, sizes: Sizes, device, peak: float | None, search: bool,
+                    profile: bool = True) -> dict:
     from models.measure import build_on_meta, count_gmacs
     from pipeline.components.accelerator import mfu, training_tflops
 
@@ -289,7 +293,7 @@ def step_comparison(model: PaperModel, sizes: Sizes, device, peak: float | None,
         figures = {"step_ms": round(1e3 * seconds, 2), "images_per_s": round(rate, 1), "peak_memory_mb": memory["mb"],
                    "tflops": training_tflops(gmacs, rate),
                    "mfu": None if peak is None else mfu(gmacs, rate, peak),
-                   "profile": profiled(step, sizes.batch, device)}
+                   "profile": profiled(step, sizes.batch, device) if profile else None}
         if search and side == "vitsweep":  # what the OOM planning of a sweep needs
             figures["largest_micro_batch"], figures["search_probes"] = largest_micro_batch(
                 batch_fits(step, device), sizes.batch, sizes.max_batch)
@@ -489,8 +493,10 @@ def main() -> None:
         print(f"{part}: {report['part_seconds'][part]} s", flush=True)
         return figures
 
-    for model in MODELS:
-        row = run_part(f"step {model.label}", lambda model=model: step_comparison(model, sizes, device, peak, True))
+    for index, model in enumerate(MODELS):
+        profile = sizes.profiled_models is None or index < sizes.profiled_models
+        row = run_part(f"step {model.label}",
+                       lambda model=model, profile=profile: step_comparison(model, sizes, device, peak, True, profile))
         if row is not None:
             report["steps"].append(row)
     report["augment"] = run_part("input pipeline", lambda: augment_share(sizes, device, cpus=os.cpu_count() or 1))

@@ -64,11 +64,14 @@ def _cpu_comm_op_build_logs() -> dict[str, str]:
 
 def test_every_paper_model_is_stepped_by_vitsweeps_engine_and_timms_loop(tiny_run):
     assert [row["model"] for row in tiny_run["steps"]] == [model.label for model in MODELS]
-    for row in tiny_run["steps"]:
+    for index, row in enumerate(tiny_run["steps"]):
         for side in ("vitsweep", "timm"):
             figures = row[side]
             assert figures["images_per_s"] > 0 and figures["step_ms"] > 0 and figures["tflops"] > 0, (row["model"], side)
-            assert re.search(r"aten::\w+", figures["profile"]), figures["profile"]  # one step's operators
+            if index < Sizes.of(tiny=True).profiled_models:
+                assert re.search(r"aten::\w+", figures["profile"]), figures["profile"]  # one step's operators
+            else:  # on CPU the first model's profile alone: reading one back costs seconds
+                assert figures["profile"] is None, (row["model"], side)
         # On CPU nothing runs out of memory: the search ends at its bound.
         assert row["vitsweep"]["largest_micro_batch"] == Sizes.of(tiny=True).max_batch
     assert not tiny_run["skipped"]
