@@ -50,11 +50,16 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 # it once here, into torch's extension cache, so no training run or test pays for it (with the ninja
 # every worker uses: pipeline.components.engine.use_the_environments_ninja). torch builds into
 # $TORCH_EXTENSIONS_DIR/<op> where that is set, else into a per-build folder of ~/.cache/torch_extensions.
+# That cache is per user, not per environment: an op built there for another venv (another clone's) would
+# be rebuilt by the first worker that loads it (its build file names that venv's torch), while every
+# other worker waits on its lock. So it counts as built only where its build file names this venv.
 TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 deepspeed-cpu-ops: $(STAMP)
 	@if ! $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then :; \
-	elif ls $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/*.so $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm/*.so 2>/dev/null | grep -q .; then :; \
-	else echo "setup: building DeepSpeed's CPU comm op once (a few minutes)"; \
+	elif ( for op in $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm $(TORCH_EXTENSIONS_DIR)/*/deepspeed_shm_comm; do \
+	         ls $$op/*.so >/dev/null 2>&1 && grep -qF -- "-isystem $(abspath $(VENV))/" $$op/build.ninja 2>/dev/null && exit 0; \
+	       done; exit 1 ); then :; \
+	else echo "setup: building DeepSpeed's CPU comm op for this environment (a minute or two)"; \
 	  DS_ACCELERATOR=cpu $(BIN)/python -c "from pipeline.components.engine import use_the_environments_ninja; \
 	    use_the_environments_ninja(); from deepspeed.accelerator import get_accelerator; \
 	    get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
