@@ -21,6 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import (answers_200, free_port, readme_block, readme_shell_env, stop_process_group, wait_for)
+from warm_ray import README_SECTION as WARM_RAY_SECTION
 from pipeline.cli import main
 from pipeline.data.sidecar import read_sidecar
 
@@ -96,10 +97,13 @@ def _artifact_rows(client, run, name: str) -> list[dict[str, str]]:
 
 
 def test_every_readme_command_that_uses_ray_joined_the_warm_ray_its_shell_exported(after_training):
-    """README "A warm local Ray": with RAY_ADDRESS=auto exported, "Fine-tuning"'s and "After training"'s
-    commands as written join the running Ray instead of starting their own: each `train`, `tune` and `evaluate`
-    ran (with RAY_ADDRESS=auto a command joins a running Ray or fails), and Ray's temp dir (RAY_TMPDIR, theirs
-    too) holds the warm Ray's session alone."""
+    """README "A warm local Ray": in the shell that ran its lines (`ray start --head`, then its `export`s),
+    "Fine-tuning"'s and "After training"'s commands as written join the running Ray instead of starting their
+    own: each `train`, `tune` and `evaluate` ran (with RAY_ADDRESS=auto a command joins a running Ray or fails),
+    and Ray's temp dir (RAY_TMPDIR, theirs too) holds the warm Ray's session alone."""
+    warm_ray = readme_block(WARM_RAY_SECTION)
+    assert [line.split("#")[0].strip() for line in warm_ray if not line.startswith("ray start --head")] == [
+        "export RAY_ADDRESS=auto"], warm_ray
     readme = readme_block("## Fine-tuning") + readme_block(AFTER_TRAINING)
     ray_commands = [line for line in readme if re.match(r"vitsweep (train|tune|evaluate) ", line)]
     assert len(ray_commands) == 4 and all(after_training.command(c).returncode == 0 for c in ray_commands[2:])

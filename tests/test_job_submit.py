@@ -1,9 +1,8 @@
 """README's `ray job submit` command, read from README.md and run as written (its address aside) against
 a real `ray start --head` set up as the README says (the session's warm Ray: token auth from a token
-generated once, the venv's `vitsweep` on the cluster's PATH); then README "A warm local Ray"'s command, run
-as written in the same checkout, joins that cluster."""
+generated once, the venv's `vitsweep` on the cluster's PATH). README "A warm local Ray"'s commands that
+join it are README "Fine-tuning"'s and "After training"'s (``test_after_training``)."""
 import re
-import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 README_DASHBOARD = "http://127.0.0.1:8265"
-WARM_RAY = "### A warm local Ray"
 
 
 def readme_command(starting: str) -> str:
@@ -68,36 +66,9 @@ def test_the_readme_ray_job_submit_command_trains_a_run_with_its_data_and_proven
     storage = submitted.checkout / "vitsweep-runs"
     client = submitted.store
     experiments = [e.experiment_id for e in client.search_experiments()]
-    [run] = [r for r in client.search_runs(experiments) if "--address" not in r.data.tags["mlflow.source.name"]]
+    (run,) = client.search_runs(experiments)
     assert run.info.status == "FINISHED"
     assert run.data.tags["git_commit"] == git_provenance(REPO)["git_commit"] != "unknown"
     assert run.data.tags["git_dirty"] == git_provenance(REPO)["git_dirty"]
     train = storage / "data" / "digits_16_train.beton"
     assert run.data.params["data.train"] == str(train) and train.is_file()
-
-
-def test_the_readme_warm_ray_command_joins_the_running_cluster_and_trains_into_the_same_store(submitted):
-    """README "A warm local Ray": after `ray start --head`, its command run as written from the checkout
-    (the shell finds the cluster as a user's does: Ray's temp dir and the token) joins that cluster
-    instead of starting a Ray, reads the dataset the job wrote and records its run beside the job's."""
-    cluster = submitted.cluster
-    commands = [line for line in readme_block(WARM_RAY) if line.startswith("vitsweep ")]
-    assert commands and all("--address auto" in command for command in commands), commands
-    assert any(line.startswith("ray start --head") for line in readme_block(WARM_RAY))
-    sessions = sorted((Path(cluster.ray_dir) / "ray").glob("session_2*"))
-    cluster.wait_until_idle()
-    for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=submitted.checkout, capture_output=True, text=True,
-                                env={**cluster.shell, **cluster.finding}, timeout=600)
-        assert result.returncode == 0, (command, result.stdout[-4000:], result.stderr[-4000:])
-        assert "\nfinished " in result.stdout and not result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
-        log = Path(re.search(r"library output in (\S+)", result.stdout).group(1)).read_text()
-        assert re.search(rf"Connecting to existing Ray cluster at address: \S+:{cluster.gcs_port}\.\.\.", log), log[:3000]
-    assert sorted((Path(cluster.ray_dir) / "ray").glob("session_2*")) == sessions  # no Ray of its own started
-    client = submitted.store
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert sorted(r.data.tags["mlflow.source.name"].split(" --set")[0] for r in runs) == sorted(
-        ["vitsweep train --config smoke", *(shlex.join(shlex.split(c, comments=True)) for c in commands)])
-    assert {r.info.status for r in runs} == {"FINISHED"}
-    data = submitted.checkout / "vitsweep-runs" / "data"
-    assert sorted(path.name for path in data.glob("*.beton")) == ["digits_16_train.beton", "digits_16_val.beton"]

@@ -21,6 +21,7 @@ import psutil
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
+README_SECTION = "### A warm local Ray"  # its `ray start --head` starts this cluster; its `export`s join it
 RAYLET = str(Path(importlib.util.find_spec("ray").origin).parent / "core" / "src" / "ray" / "raylet" / "raylet")
 # What the raylet keeps running with nothing scheduled: its two agents, workers it started ahead and has not
 # leased, and the actor Ray Train's first run creates for good (Ray Data's AutoscalingCoordinator: detached,
@@ -44,8 +45,13 @@ class WarmRay:
 
     @property
     def joining(self) -> dict[str, str]:
-        """A command's environment additions to join this cluster without --address (RAY_ADDRESS=auto)."""
-        return {**self.finding, "RAY_ADDRESS": "auto"}
+        """A command's environment additions in a shell that then ran README "A warm local Ray"'s `export`
+        lines (RAY_ADDRESS=auto): its commands join this cluster without --address."""
+        from conftest import readme_block  # here: conftest imports this module
+
+        exports = [line.split("#")[0].removeprefix("export ").strip() for line in readme_block(README_SECTION)
+                   if line.startswith("export ")]
+        return {**self.finding, **dict(export.split("=", 1) for export in exports)}
 
     def processes(self) -> list[psutil.Process]:
         """The cluster's processes: those naming its temp dir or GCS port, and everything they started."""
@@ -111,7 +117,7 @@ def start_warm_ray(home: Path) -> WarmRay:
     from conftest import free_port, readme_block, vitsweep_env  # here: conftest imports this module
 
     (generate_token,) = [line for line in readme_block("### `ray job submit`") if line.startswith("ray get-auth-token")]
-    (start_head,) = [line for line in readme_block("### A warm local Ray") if line.startswith("ray start --head")]
+    (start_head,) = [line for line in readme_block(README_SECTION) if line.startswith("ray start --head")]
     env = {**vitsweep_env(), "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
     env.pop("RAY_AUTH_MODE", None)
     env.pop("RAY_ADDRESS", None)
