@@ -183,15 +183,25 @@ def test_make_test_fails_when_no_test_is_collected(tmp_path):
     assert result.returncode != 0 and "collected no tests" in result.stderr
 
 
-@pytest.mark.parametrize("where", ["TORCH_EXTENSIONS_DIR/op", "default cache/build/op"])
-def test_make_setup_builds_deepspeeds_cpu_comm_op_only_where_torch_finds_none(tmp_path, where):
-    # torch builds into $TORCH_EXTENSIONS_DIR/<op> where it is set, else into ~/.cache/torch_extensions/<build>/<op>
+@pytest.mark.parametrize("where,built_for", [("TORCH_EXTENSIONS_DIR/op", "this venv"),
+                                             ("default cache/build/op", "this venv"),
+                                             ("default cache/build/op", "another clone's venv")])
+def test_make_setup_builds_deepspeeds_cpu_comm_op_only_where_none_is_built_for_this_venv(tmp_path, where, built_for):
+    # torch builds into $TORCH_EXTENSIONS_DIR/<op> where it is set, else into ~/.cache/torch_extensions/<build>/<op>;
+    # its build file names the venv whose torch it compiled against
     built = (tmp_path if where == "TORCH_EXTENSIONS_DIR/op" else tmp_path / "py311_cu132") / "deepspeed_shm_comm"
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    venv = REPO / ".venv" if built_for == "this venv" else tmp_path / "another-clone" / ".venv"
+    (built / "build.ninja").write_text(f"cflags = -isystem {venv}/lib/python3.11/site-packages/torch/include\n")
+    # CXX=false (torch's build file compiles with $CXX): a build that starts fails at once
     result = subprocess.run(["make", "--no-print-directory", "deepspeed-cpu-ops"], cwd=REPO, capture_output=True,
-                            text=True, env={**_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    assert result.returncode == 0 and "building" not in result.stdout, result.stdout + result.stderr
+                            text=True, env={**_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"})
+    if built_for == "this venv":
+        assert result.returncode == 0 and "building" not in result.stdout, result.stdout + result.stderr
+    else:  # the first worker would rebuild it (and every other wait on its lock): setup does, for this venv
+        assert "building DeepSpeed's CPU comm op for this environment" in result.stdout, result.stdout + result.stderr
+        assert result.returncode != 0 and "failed to build" in result.stderr, result.stdout + result.stderr
 
 
 def test_ci_runs_exactly_the_readme_test_command():
