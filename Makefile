@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.vitsweep-setup
-UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python -q -c constraints.txt
+UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode -c constraints.txt
 # FFCV compiles against these and loads them at run time (ffcv 1.0.2).
 SYSTEM_PACKAGES := pkg-config g++ libturbojpeg0-dev libopencv-dev
 BROWSER_PACKAGES := chromium chromium-driver
@@ -37,7 +37,9 @@ browser-packages:
 
 $(STAMP): pyproject.toml constraints.txt | system-packages
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { echo "setup: '$(PYTHON) -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
-	@# uv (pinned in constraints.txt) installs the pinned set ~6x faster than pip: CI's every run pays it.
+	@# uv (pinned in constraints.txt) installs the pinned set several times faster than pip: CI's every run
+	@# pays it. Compiled to bytecode as pip does: a shell with PYTHONDONTWRITEBYTECODE (this machine's, CI's)
+	@# would compile every module in every process, a smoke run then using ~1.6x its CPU.
 	$(BIN)/python -m pip install -q -c constraints.txt uv
 	$(UV_INSTALL) -e ".[dev]"
 	@# pipeline.data.runtime also fills numba's on-disk cache of what `import ffcv` compiles (~3 s per process after).
