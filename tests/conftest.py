@@ -453,8 +453,14 @@ def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subproces
     from it that registers its best trial. Their store (``./vitsweep-runs``) and each command's output; the
     MLflow UI check browses the same store (adding the demo's run), and README "After training" continues in
     the same directory (``test_after_training``), as a user would. The shell has exported RAY_ADDRESS=auto
-    after `ray start --head` (README "A warm local Ray"): every command joins the warm Ray."""
+    after `ray start --head` (README "A warm local Ray"): every command joins the warm Ray. The directory is
+    a git repository holding the project's .gitignore alone, so that `git status` there tells whether the
+    README's commands wrote anything a clone would show (``test_after_training``)."""
     root = tmp_path_factory.mktemp("readme-finetuning")
+    shutil.copyfile(REPO / ".gitignore", root / ".gitignore")
+    for git in (["init", "-q"], ["add", ".gitignore"], ["-c", "user.name=vitsweep", "-c", "user.email=vitsweep@localhost",
+                                                        "commit", "-q", "-m", "the project's .gitignore"]):
+        subprocess.run(["git", *git], cwd=root, check=True, capture_output=True)
     env = {**readme_shell_env(), **warm_rays.running().joining}
     results = []
     for command in readme_block("## Fine-tuning"):

@@ -58,12 +58,13 @@ class AfterTraining:
 
 
 @pytest.fixture(scope="module")
-def after_training(readme_finetuning, warm_rays) -> AfterTraining:
+def after_training(readme_finetuning, warm_rays, tmp_path_factory) -> AfterTraining:
     """In the shell of README "Fine-tuning"'s commands (RAY_ADDRESS=auto: the commands that use Ray join the
     warm Ray); the warm Ray is stopped after them, the last of the session's README commands that join it."""
     storage, (_, sweep) = readme_finetuning
     home, env, commands = storage.parent, {**readme_shell_env(), **warm_rays.running().joining}, {}
-    timings = (home / "commands.log").open("a", buffering=1)  # each command's wall time, for whoever sizes the suite
+    # each command's wall time, for whoever sizes the suite (beside, not in, the user's directory)
+    timings = (tmp_path_factory.mktemp("after-training") / "commands.log").open("a", buffering=1)
     for command in [line for line in readme_block(AFTER_TRAINING) if line.startswith("vitsweep ")]:
         started = time.monotonic()
         commands[command] = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True,
@@ -143,7 +144,7 @@ def test_both_evaluations_are_metrics_of_the_runs_logged_model_on_the_validation
 @pytest.fixture(scope="module")
 def predicted(after_training):
     """`vitsweep predict --json` of the run on every validation image the README exported, in this process."""
-    images = after_training.home / "digit-images"
+    images = after_training.storage / "digit-images"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["predict", RUN, str(images), "--topk", "1", "--json",
@@ -209,16 +210,17 @@ def _readme_line(starting: str, port: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(after_training):
+def served(after_training, tmp_path_factory):
     """README's `mlflow models serve` line, on a free loopback port, stopped (its process group) after."""
     port = free_port()
     command = _readme_line("mlflow models serve", port).removesuffix("&").strip()
-    log = (after_training.home / "serve.log").open("w")
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")
     process = subprocess.Popen(["bash", "-c", command], cwd=after_training.home, env=readme_shell_env(), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def answers() -> bool:
-        assert process.poll() is None, (after_training.home / "serve.log").read_text()[-3000:]
+        assert process.poll() is None, log_path.read_text()[-3000:]
         return answers_200(f"http://127.0.0.1:{port}/ping")
 
     try:
@@ -247,3 +249,15 @@ def test_a_served_request_with_an_unreadable_image_is_a_400_naming_it(served):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=60)
     assert err.value.code == 400 and "row 0 is not a readable image" in err.value.read().decode()
+
+
+def test_the_readmes_commands_leave_nothing_for_git_but_what_the_project_ignores(after_training, served):
+    """Every file README "Fine-tuning"'s and "After training"'s commands wrote (runs, store, datasets, the
+    exported images), served and requested as written, lies under a path the project's .gitignore ignores
+    (``vitsweep-runs/``): `git status` in a clone shows nothing new."""
+    subprocess.run(["bash", "-c", _readme_line("curl", served)], cwd=after_training.home, env=readme_shell_env(),
+                   capture_output=True, timeout=300, check=True)
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=after_training.home,
+                            capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout
+    assert (after_training.storage / "digit-images").is_dir() and (after_training.home / ".gitignore").is_file()
