@@ -5,6 +5,7 @@ takes the source's logged model as its input; the sweep saved the source once fo
 MLflow's UI a fine-tuned trial's page leads to the model it started from, and that model's page to the run
 that trained it."""
 import json
+import math
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -56,6 +57,14 @@ def test_each_trial_records_its_source_and_takes_the_source_model_as_its_input(r
             plan = json.load(handle)
         assert not plan["reset"] and not plan["resampled"] and len(plan["loaded"]) == int(tags["init.loaded"]) > 100
         assert f"Starts from `{PRETRAINED} (run {source.info.run_id})" in tags["mlflow.note.content"]
+
+
+def test_each_trial_logs_its_log_uniform_rates_log10_for_the_charts_and_the_uniform_knob_alone(runs):
+    _, _, _, trials = runs
+    for trial in trials:
+        params = trial.data.params
+        assert float(params["log10_lr"]) == pytest.approx(math.log10(float(params["lr"])), abs=1e-6)
+        assert "layer_decay" in params and "log10_layer_decay" not in params  # uniform: charted as sampled
 
 
 def test_the_sweep_saved_its_source_once_for_every_trial_that_starts_from_it(readme_finetuning, runs):

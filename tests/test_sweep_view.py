@@ -2,10 +2,12 @@
 (the browser check, tests/test_mlflow_ui.py, shows them drawn)."""
 import json
 
+import numpy as np
 import pytest
 from mlflow.utils.validation import MAX_EXPERIMENT_TAG_VAL_LENGTH
 
 from pipeline.sweeps.spaces import available_spaces, load_space, load_spaces
+from pipeline.sweeps.trial import knob_params
 from pipeline.sweeps.view import MODEL_METRICS, sweep_view
 
 
@@ -52,6 +54,24 @@ def test_a_knob_that_applies_to_some_trials_gets_a_scatter_but_no_parallel_axis(
     assert parallel["selectedParams"] == ["channel_schedule"]
     assert [c["xaxis"]["key"] for c in _cards(state, "SCATTER")] == [
         "channel_schedule", "mha_ratio_range.0", "mha_ratio_range.1"]
+
+
+def test_a_log_uniform_knob_is_charted_by_its_log10_and_tabled_as_sampled():
+    # lr_wd: both knobs log-uniform; fine-tuning: the rate log-uniform, the layer decay uniform
+    state = sweep_view(load_space("lr_wd"), "val_top1", "max", "parent", trials=10)
+    assert _cards(state, "PARALLEL")[0]["selectedParams"] == ["log10_lr_per_512", "log10_weight_decay"]
+    assert [c["xaxis"]["key"] for c in _cards(state, "SCATTER")] == ["log10_lr_per_512", "log10_weight_decay"]
+    assert "params.`lr_per_512`" in state["selectedColumns"] and not any("log10" in c for c in state["selectedColumns"])
+    state = sweep_view(load_space("finetune_lr_layer_decay"), "val_top1", "max", "parent", trials=2)
+    assert [c["xaxis"]["key"] for c in _cards(state, "SCATTER")] == ["log10_lr", "layer_decay"]
+
+
+def test_a_trial_logs_a_log_uniform_knobs_log10_beside_it():
+    knobs = {"optim.lr": 2.5e-5, "optim.layer_decay": 0.75, "model.args.lr": 1e-3}
+    assert knob_params(knobs, {"optim.lr", "model.args.lr"}) == {
+        "optim.lr": 2.5e-5, "layer_decay": 0.75, "args.lr": 1e-3,
+        "log10_optim.lr": pytest.approx(np.log10(2.5e-5), abs=1e-6), "log10_args.lr": pytest.approx(-3.0, abs=1e-6)}
+    assert knob_params(knobs) == {"optim.lr": 2.5e-5, "layer_decay": 0.75, "args.lr": 1e-3}
 
 
 def test_the_seed_is_a_table_column_but_no_chart():

@@ -76,6 +76,12 @@ def short_keys(keys) -> dict[str, str]:
     return names
 
 
+def log10_param(name: str) -> str:
+    """The param a trial logs beside a log-uniform knob ``name``: its value's log10 (``log10_lr``). MLflow
+    3.17's scatter and parallel-coordinates charts have no log axis; the sweep's charts plot this one."""
+    return f"log10_{name}"
+
+
 def check_key(key: str, where: str) -> None:
     """Raise SpaceError unless ``key`` names a field of the experiment config (or a model argument)."""
     problem = schema_problem(key)

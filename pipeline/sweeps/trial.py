@@ -11,8 +11,10 @@ Train checkpoint instead of starting another.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_mlflow_run
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.tune_callback import SweepReportCallback
-from pipeline.sweeps.spaces import SearchSpace, short_keys
+from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import open_child_run
 from pipeline.sweeps.trial_stop import TrialStopWatch
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
@@ -49,11 +51,14 @@ def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:
     return f"{trial_id} " + " ".join(f"{name}={knobs[key]}" for key, name in short_keys(knobs).items())
 
 
-def knob_params(knobs: dict[str, Any]) -> dict[str, Any]:
+def knob_params(knobs: dict[str, Any], log_keys: Collection[str] = ()) -> dict[str, Any]:
     """Each searched or derived knob under its short name (``code_size``), beside its dotted param
     (``model.args.code_size``): the runs table shows short, distinct columns (a config param's name
-    always has a dot, so a short name never collides with one)."""
-    return {name: knobs[key] for key, name in short_keys(knobs).items()}
+    always has a dot, so a short name never collides with one). A log-uniform knob (``log_keys``) also
+    gets its log10, which the sweep's charts plot (``spaces.log10_param``)."""
+    names = short_keys(knobs)
+    return {**{name: knobs[key] for key, name in names.items()},
+            **{log10_param(names[key]): round(math.log10(knobs[key]), 6) for key in log_keys if key in knobs}}
 
 
 def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
@@ -79,7 +84,7 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     mlflow_run = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,
                                 trial_run_name(trial_id, knobs), knobs)
     open_mlflow_run(run, mlflow_run, source=f"{plan.source} (trial {trial_id})")
-    mlflow_run.log_params(knob_params(knobs))
+    mlflow_run.log_params(knob_params(knobs, {dim.key for dim in plan.space.dims if dim.is_log}))
     with TrialStopWatch() as stop:
         trainer = build_trainer(run, mlflow_run, launched_at, callbacks=(SweepReportCallback(), stop.callback),
                                 announce=False)

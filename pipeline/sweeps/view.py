@@ -13,7 +13,8 @@ The sweep's charts, the first thing its chart view shows:
 - "<metric> across the knobs": a parallel-coordinates chart, the page's width, of every knob that
   applies to every trial into the metric (a line per trial, coloured by the metric);
 - "<metric> against each knob": a scatter per knob (Plotly makes a numeric knob's axis numeric and a
-  choice of names one category per value);
+  choice of names one category per value). Neither chart has a log axis in MLflow 3.17: a log-uniform
+  knob is drawn by the log10 its trials log beside it (``spaces.log10_param``), evenly spread as sampled;
 - "per epoch": the metric and the training loss per epoch, a line per trial;
 - the UI's own "Model metrics" (the other metrics), then the system metrics (CPU, memory, GPU) below.
 The run seed is a repeat, not a knob: it gets a table column but no chart.
@@ -24,7 +25,7 @@ from typing import Any
 
 from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.sweeps.report import SEED_KEY
-from pipeline.sweeps.spaces import SearchSpace, short_keys
+from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import PARENT_TAG
 
 MODEL_METRICS = "Model metrics"  # the UI's own section of the metrics without a "section/" prefix
@@ -52,12 +53,13 @@ def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
     """The chart view's part of the UI state: cards, sections, and every trial shown in them."""
     params = param_names(space)
     knobs = [dim for dim in space.dims if dim.key != SEED_KEY]
+    axis = {dim.key: log10_param(params[dim.key]) if dim.is_log else params[dim.key] for dim in knobs}
     everywhere = [dim for dim in knobs if not dim.when] or knobs  # a line needs a value on every axis
     across, against, per_epoch = "vitsweep-across-knobs", "vitsweep-against-each-knob", "vitsweep-per-epoch"
-    cards = [_card("PARALLEL", "vitsweep-parallel", across, trials, selectedParams=[params[d.key] for d in everywhere],
+    cards = [_card("PARALLEL", "vitsweep-parallel", across, trials, selectedParams=[axis[d.key] for d in everywhere],
                    selectedMetrics=[metric], showAllRuns=True)]
-    cards += [_card("SCATTER", f"vitsweep-scatter-{params[dim.key]}", against, trials,
-                    xaxis={"key": params[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
+    cards += [_card("SCATTER", f"vitsweep-scatter-{axis[dim.key]}", against, trials,
+                    xaxis={"key": axis[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
               for dim in knobs]
     cards += [_line(f"vitsweep-line-{name}", per_epoch, trials, name) for name in dict.fromkeys([metric, TRAIN_LOSS])]
     # (uuid, name, cards per row): the parallel chart gets the whole width, one axis per knob
