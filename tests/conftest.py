@@ -446,6 +446,23 @@ def readme_block(heading: str) -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
+def ignoring_as_the_project_does(root: Path) -> Path:
+    """``root`` made a git repository holding the project's .gitignore alone: after the README's commands
+    run there, `git status` shows what a clone of the project would show."""
+    shutil.copyfile(REPO / ".gitignore", root / ".gitignore")
+    for git in (["init", "-q"], ["add", ".gitignore"], ["-c", "user.name=vitsweep", "-c", "user.email=vitsweep@localhost",
+                                                        "commit", "-q", "-m", "the project's .gitignore"]):
+        subprocess.run(["git", *git], cwd=root, check=True, capture_output=True)
+    return root
+
+
+def untracked_by_git(root: Path) -> list[str]:
+    """What `git status` shows in ``root`` (new or changed files that no .gitignore entry covers)."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root, capture_output=True,
+                            text=True, check=True)
+    return status.stdout.splitlines()
+
+
 @pytest.fixture(scope="session")
 def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
@@ -456,11 +473,7 @@ def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subproces
     after `ray start --head` (README "A warm local Ray"): every command joins the warm Ray. The directory is
     a git repository holding the project's .gitignore alone, so that `git status` there tells whether the
     README's commands wrote anything a clone would show (``test_after_training``)."""
-    root = tmp_path_factory.mktemp("readme-finetuning")
-    shutil.copyfile(REPO / ".gitignore", root / ".gitignore")
-    for git in (["init", "-q"], ["add", ".gitignore"], ["-c", "user.name=vitsweep", "-c", "user.email=vitsweep@localhost",
-                                                        "commit", "-q", "-m", "the project's .gitignore"]):
-        subprocess.run(["git", *git], cwd=root, check=True, capture_output=True)
+    root = ignoring_as_the_project_does(tmp_path_factory.mktemp("readme-finetuning"))
     env = {**readme_shell_env(), **warm_rays.running().joining}
     results = []
     for command in readme_block("## Fine-tuning"):

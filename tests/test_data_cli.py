@@ -1,10 +1,13 @@
 """`vitsweep data ...` and prepare_digits: offline on a fresh machine, exit 2 on bad input."""
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
+
+from conftest import ignoring_as_the_project_does, readme_block, readme_shell_env, untracked_by_git
 
 from pipeline.cli import EXIT_INVALID_INPUT, EXIT_OK, main
 from pipeline.config.schema import DataConfig
@@ -36,6 +39,22 @@ def test_write_digits_then_inspect_works_offline_and_saves_a_sample_grid(tmp_pat
     grid = Image.open(tmp_path / "grid.png")
     assert grid.size == (3 * 96, 3 * (96 + 14))
     assert "Exception ignored" not in inspected.stderr + written.stderr
+
+
+def test_the_readmes_offline_data_commands_run_as_written_and_leave_nothing_for_git(tmp_path):
+    """README "Data": its offline lines (write digits, inspect them with a grid) run as written, in a
+    directory that ignores what the project's .gitignore does: the dataset, its sidecar and the grid are
+    written, and `git status` shows none of them."""
+    lines = [line for line in readme_block("## Data") if line.startswith(("vitsweep data write digits ", "vitsweep data inspect train.beton "))]
+    assert len(lines) == 2, lines
+    home = ignoring_as_the_project_does(tmp_path)
+    for line in lines:
+        result = subprocess.run(["bash", "-c", line], cwd=home, env=readme_shell_env(), capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
+    grid = re.search(r"--grid (\S+)", lines[1]).group(1)
+    assert Image.open(home / grid).size[0] > 0 and (home / "train.beton.json").is_file()
+    assert untracked_by_git(home) == []
 
 
 def test_write_of_a_missing_source_exits_2_naming_it(tmp_path, capsys):
