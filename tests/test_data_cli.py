@@ -45,7 +45,8 @@ def test_the_readmes_offline_data_commands_run_as_written_and_leave_nothing_for_
     """README "Data": its offline lines (write digits, inspect them with a grid) run as written, in a
     directory that ignores what the project's .gitignore does: the dataset, its sidecar and the grid are
     written, and `git status` shows none of them."""
-    lines = [line for line in readme_block("## Data") if line.startswith(("vitsweep data write digits ", "vitsweep data inspect train.beton "))]
+    offline = ("vitsweep data write digits ", "vitsweep data inspect train.beton ")
+    lines = [line for line in readme_block("## Data") if line.startswith(offline)]
     assert len(lines) == 2, lines
     home = ignoring_as_the_project_does(tmp_path)
     for line in lines:
