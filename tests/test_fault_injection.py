@@ -136,8 +136,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(small_disk, digits16):
     storage = small_disk / "runs"
-    result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30",
-                                        "model.args.depth=6", "model.args.embed_dim=192", "scaling.num_workers=1"))
+    result = run_vitsweep(train_command(storage, digits16, "run.name=full", "optim.epochs=30", "scaling.num_workers=1"))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = _runs(storage)
     reason = run.data.tags["stop_reason"]

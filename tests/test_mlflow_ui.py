@@ -30,10 +30,10 @@ SUMMARY_LINK = re.compile(r"the sweep's result on one page: (http://127\.0\.0\.1
 # the runs page's table / chart / artifacts switch: a radio input hidden inside the label a user clicks
 CHART_VIEW = "label:has(input[name=runs-view-mode][value=CHART])"
 AUTOMATIC_NAME = re.compile(r"^training (xcit_nano_12_p8-\d{8}-\d{6}): ", re.M)  # `<model>-<time>`
-# The demo's config (`make demo`: the default preset) on the suite's 16 px digits, 3 of its 6 epochs: the
-# fewest after which it has learnt (2 epochs: 64 %, all warmup and one cosine step; 3 epochs: 87.5 %).
-# Chance is 10 %: a loader pairing images with the wrong labels, or a model that does not train, stays near it.
-DEMO_EPOCHS, DEMO_FLOOR = 3, 70.0
+# The demo's config (`make demo`: the default preset) on the suite's 16 px digits, 2 of its 6 epochs (its
+# warmup epoch and one cosine step: 64 % and 78 % in two measurements; 3 epochs: 87.5 %). Chance is 10 %: a
+# loader pairing images with the wrong labels, or a model that does not train, stays near it, far below 4x chance.
+DEMO_EPOCHS, DEMO_FLOOR = 2, 40.0
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
-"""Bad input fails before any worker starts with exit 2, writing nothing; a diverging run stops and is
-recorded FAILED."""
+"""Bad input fails before any worker starts with exit 2, writing nothing; a diverged report marks its run."""
 import os
 import pickle
 import socket
@@ -7,10 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from conftest import processes_started_below, ray_processes, refused_in_process, run_vitsweep, train_command
 from pipeline.components.checkpointing import weights_only_checkpoint_engine
+from pipeline.console import MARK
+from pipeline.report_keys import DIVERGED_KEY
+from pipeline.tracking.store import MlflowStore
+from pipeline.training.epoch_logger import MLflowEpochLogger
 
 
 # Refusals run in this process (a command's main, its exit code and stderr): the subject is the refusal,
@@ -87,20 +89,17 @@ def test_the_console_script_exits_2_on_a_storage_path_that_cannot_be_created_and
     assert not ray_processes(started), sorted(started)
 
 
-@pytest.mark.slow
-def test_diverging_loss_stops_the_run_and_marks_it_failed(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    # The loss is checked at each logging step: at the first one here, not after 20 steps of overflowing weights.
-    # One worker: the check is each rank's own (a peer's failure is the killed-worker test's subject).
-    result = run_vitsweep(train_command(
-        storage, digits16, "run.name=diverge", "optim.lr=1e6", "optim.epochs=3", "optim.weight_decay=0",
-        "run.log_every_steps=1", "scaling.num_workers=1",
-    ))
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "loss diverged at epoch 1 step" in result.stderr
-    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
-    assert run.info.status == "FAILED"
+def test_a_diverged_report_marks_where_the_loss_diverged_and_logs_no_step(tmp_path, capsys):
+    """The controller's side of a divergence (Ray Train's callback, as it runs there): the MLflow run is tagged
+    with where, for ``fit_and_record`` to end it FAILED, and the console says it. End to end, through a
+    worker's check and ``fit_and_record``, the ASHA sweep's diverging trial (test_tune_e2e), and a failed
+    ``vitsweep train``'s exit 1 and last line, the full-disk and lost-worker runs (test_fault_injection)."""
+    store = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db")
+    run = store.create_run("vitsweep", "diverge")
+    MLflowEpochLogger(run, epochs=3).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 1, "step": 4, "rank": 0}], None)
+    assert run.diverged_at() == "epoch 1 step 4"
+    assert MARK + "loss diverged at epoch 1 step 4: stopping" in capsys.readouterr().out
+    assert not store.client.get_metric_history(run.run_id, "epochs_trained")  # no result logged as an epoch
 
 
 class _RunsCodeWhenUnpickled:
