@@ -5,4 +5,5 @@ shared by the worker that writes them and the controller's callbacks that read t
 import MLflow, and the controller torch, on the way to every run's first step."""
 
 DIVERGED_KEY = "diverged"  # a worker's report that the loss became NaN/inf (also the MLflow tag saying where)
+DIVERGED_CAUSE_KEY = "diverged_cause"  # beside it, why where it was no NaN/inf (run.max_loss_spikes reached)
 INITIAL_PREFIX = "initial_"  # metrics of the weights a run started from, evaluated before any step

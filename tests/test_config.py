@@ -62,6 +62,8 @@ INVALID = [
     ("unknown_model_name", ["model.name=xcit_gigantic_99"], "model.name"),
     ("bad_precision", ["deepspeed.precision=fp8"], "deepspeed.precision"),
     ("zero_stage_4", ["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
+    ("loss_spike_factor_not_above_1", ["run.loss_spike_factor=1"], "run.loss_spike_factor"),
+    ("zero_max_loss_spikes", ["run.max_loss_spikes=0"], "run.max_loss_spikes"),
     ("fp16_on_cpu", ["deepspeed.precision=fp16"], "fp16"),
     ("offload_without_zero", ["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=true"], "offload_optimizer"),
     ("gpu_without_gpus_per_worker", ["scaling.use_gpu=true"], "gpus_per_worker"),

@@ -106,6 +106,39 @@ def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys
     assert run.data.params[key] == str(rate) and run.info.status == "FINISHED"
 
 
+HEALTH = ("loss", "loss_max", "grad_norm", "grad_clipped_share", "data_wait_share", "data_wait_share_max",
+          "data_wait_slowest_rank", "peak_memory_gib", "peak_memory_rank", "lr", "loss_spikes")
+
+
+def test_the_run_holds_each_health_metric_at_every_logging_step_on_the_optimizers_step_axis(two_epoch_run):
+    storage, result = two_epoch_run
+    client, run = _only_run(storage)
+    steps = int(re.search(r"^epoch 1/2  step \d+/(\d+)", result.stdout, re.M).group(1))  # an epoch's, per rank
+    every = load_config("smoke").run.log_every_steps
+    logged = [epoch * steps + step for epoch in range(2) for step in range(1, steps + 1)
+              if step % every == 0 or step == steps]  # one optimizer step per micro-batch (no accumulation)
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"health/{key}")}
+               for key in HEALTH}
+    assert {key: sorted(values) for key, values in history.items()} == {key: logged for key in HEALTH}
+    # the windows' mean losses, weighted by their steps, are each epoch's train_loss
+    epoch_losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
+    for epoch in (1, 2):
+        ends = [step for step in logged if (epoch - 1) * steps < step <= epoch * steps]
+        sizes = [end - start for start, end in zip([(epoch - 1) * steps, *ends], ends)]
+        weighted = sum(history["loss"][end] * size for end, size in zip(ends, sizes)) / steps
+        assert weighted == pytest.approx(epoch_losses[epoch], rel=1e-9)
+        assert all(history["loss_max"][end] >= history["loss"][end] for end in ends)
+    (last_lr,) = [m.value for m in client.get_metric_history(run.info.run_id, "lr") if m.step == 2]
+    assert history["lr"][logged[-1]] == pytest.approx(last_lr)
+    assert all(0 < norm < float("inf") for norm in history["grad_norm"].values())
+    assert set(history["grad_clipped_share"].values()) == {0.0}  # the smoke preset does not clip
+    assert set(history["loss_spikes"].values()) == {0.0}
+    assert all(0 <= history["data_wait_share"][step] <= history["data_wait_share_max"][step] <= 1 for step in logged)
+    assert set(history["data_wait_slowest_rank"].values()) <= {0.0, 1.0}
+    assert set(history["peak_memory_rank"].values()) <= {0.0, 1.0}
+    assert all(0.1 < gib < 24 for gib in history["peak_memory_gib"].values())  # a worker's resident set, in GiB
+
+
 def test_the_run_records_the_rate_it_trained_at_beside_the_knob_given_and_prints_it(two_epoch_run):
     storage, result = two_epoch_run
     key, rate = RATE_KEY, RATE

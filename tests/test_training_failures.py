@@ -10,7 +10,7 @@ import torch
 from conftest import processes_started_below, ray_processes, refused_in_process, run_vitsweep, train_command
 from pipeline.components.checkpointing import weights_only_checkpoint_engine
 from pipeline.console import MARK
-from pipeline.report_keys import DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY
 from pipeline.tracking.store import MlflowStore
 from pipeline.training.epoch_logger import MLflowEpochLogger
 
@@ -100,6 +100,11 @@ def test_a_diverged_report_marks_where_the_loss_diverged_and_logs_no_step(tmp_pa
     assert run.diverged_at() == "epoch 1 step 4"
     assert MARK + "loss diverged at epoch 1 step 4: stopping" in capsys.readouterr().out
     assert not store.client.get_metric_history(run.run_id, "epochs_trained")  # no result logged as an epoch
+
+    spiked = store.create_run("vitsweep", "spikes")  # stopped by run.max_loss_spikes: where, and why
+    MLflowEpochLogger(spiked, epochs=3).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 2, "step": 7, "rank": 0,
+                                                           DIVERGED_CAUSE_KEY: "3 loss spikes over 5x the running median"}], None)
+    assert spiked.diverged_at() == "epoch 2 step 7 (3 loss spikes over 5x the running median)"
 
 
 class _RunsCodeWhenUnpickled:

@@ -379,9 +379,14 @@ class RunConfig(_Section):
     num_to_keep: int = Field(2, ge=1)
     checkpoint_score: str = "val_top1"
     max_failures: int = Field(0, ge=-1)  # -1: retry forever
-    # Steps between the loss's all-reduce (its divergence check and the progress line): syncing the
-    # host with the device every step would stall the GPU.
+    # Steps between logging steps, each one all_gather of the step-health window (the divergence check,
+    # the progress line, the health/ step metrics): syncing the host with the device every step would stall the GPU.
     log_every_steps: int = Field(20, ge=1)
+    # A logging window whose max loss exceeds this x the running median of the windows' mean losses is a
+    # loss spike (logged: health/loss_spikes, and a line); after max_loss_spikes of them the run stops as
+    # diverged (null: never).
+    loss_spike_factor: float = Field(5.0, gt=1.0)
+    max_loss_spikes: int | None = Field(None, ge=1)
 
     _usable_storage = field_validator("storage_path")(_check_directory)
 

@@ -7,7 +7,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from pipeline.console import say, say_epoch_end
-from pipeline.report_keys import DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY
 from pipeline.tracking.store import MlflowRun
 
 class MLflowEpochLogger(UserCallback):
@@ -24,7 +24,8 @@ class MLflowEpochLogger(UserCallback):
         reported = metrics[0]
         show = say if self.announce else print  # print: to the log file only
         if reported.get(DIVERGED_KEY):
-            where = f"epoch {int(reported['epoch'])} step {int(reported['step'])}"
+            where = f"epoch {int(reported['epoch'])} step {int(reported['step'])}" + (
+                f" ({reported[DIVERGED_CAUSE_KEY]})" if reported.get(DIVERGED_CAUSE_KEY) else "")
             self.run.mark_diverged(where)
             show(f"loss diverged at {where}: stopping")
             return

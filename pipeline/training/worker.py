@@ -19,7 +19,6 @@ import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch
-import torch.distributed as dist
 
 from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
     save_final_weights, use_weights_only_loading)
@@ -30,13 +29,16 @@ from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
 from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.components.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
+from pipeline.components.health import (HEALTH_PREFIX, HealthReport, LossSpikes, StepHealth, computes_grad_norm,
+    step_measuring_grad_norm)
 from pipeline.components.engine import (compile_engine, deepspeed_config, input_dtype, keep_batchnorm_in_fp32,
     low_precision_autocast, use_the_environments_ninja)
 from pipeline.components.losses import build_training_loss
 from pipeline.components.metrics import validation_metrics
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
-from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
+from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
+from pipeline.tracking.step_metrics import StepMetricsLog
 from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights,
     train_head_only)
 
@@ -87,11 +89,12 @@ def _duration(seconds: float) -> str:
 
 
 class LossDiverged(Exception):
-    """The global loss of a step is NaN/inf: every rank sees the same sum and stops together."""
+    """The global loss of a step is NaN/inf, or spiked ``run.max_loss_spikes`` times: every rank sees the
+    same reports and stops together. ``cause``: said beside where (none for a NaN/inf)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"loss diverged at step {step}")
-        self.step = step
+    def __init__(self, step: int, cause: str | None = None):
+        super().__init__(f"loss diverged at step {step}" + (f" ({cause})" if cause else ""))
+        self.step, self.cause = step, cause
 
 
 class Trainer:
@@ -154,6 +157,11 @@ class Trainer:
         self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
         self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast)
 
+        self.health = StepHealth(self.device, cfg.optim.grad_clip)
+        self.loss_spikes = LossSpikes(cfg.run.loss_spike_factor)
+        self.deepspeed_grad_norm = computes_grad_norm(self.engine)
+        self.step_metrics = StepMetricsLog(self.plan.tracking_uri, self.plan.mlflow_run_id) if self.rank == 0 else None
+
         self.start_epoch = self.resume()
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
 
@@ -208,6 +216,8 @@ class Trainer:
         try:
             self.train_epochs()
         finally:
+            if self.step_metrics is not None:
+                self.step_metrics.close()
             self.stop_monitoring()
 
     def train_epochs(self) -> None:
@@ -226,7 +236,8 @@ class Trainer:
             try:
                 stats = self.train_epoch(epoch)
             except LossDiverged as diverged:
-                ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch + 1, "step": diverged.step, "rank": self.rank})
+                ray.train.report({DIVERGED_KEY: 1.0, "epoch": epoch + 1, "step": diverged.step, "rank": self.rank,
+                                  **({DIVERGED_CAUSE_KEY: diverged.cause} if diverged.cause else {})})
                 return  # no retry: the run is recorded FAILED
             images_per_sec = stats.samples / stats.seconds
             # lr: the schedule's, the head's under layer-wise decay (the lower layers' are smaller).
@@ -246,38 +257,57 @@ class Trainer:
         stats = EpochStats()
         started = time.perf_counter()
         steps = len(self.train_loader)
-        unsynced = torch.zeros((), device=self.device)  # losses of the steps since the last sync, on the device
-        for step, (images, labels) in enumerate(self.train_loader):
-            unsynced += self.train_step(images, labels)
+        self.health.start_window()
+        for step, (images, labels) in enumerate(self.health.timed(self.train_loader)):
+            self.train_step(images, labels)
             if self.time_to_first_step is None:
                 self.time_to_first_step = time.time() - self.plan.launched_at
             stats.steps += 1
             stats.samples += len(labels) * self.world_size
             if (step + 1) % self.cfg.run.log_every_steps == 0 or step + 1 == steps:
-                stats.loss_sum += self.sync_loss(unsynced, step)
-                unsynced.zero_()
+                stats.loss_sum += self.log_health(step)
                 self.show_progress(epoch, step + 1, steps, stats, time.perf_counter() - started)
         stats.seconds = time.perf_counter() - started
         return stats
 
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward, backward, optimizer step (at accumulation boundaries), EMA; returns this rank's loss."""
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Forward, backward, optimizer step (at accumulation boundaries), EMA; the step's loss and
+        gradient norm go to this rank's health window."""
         images, targets = self.augment(images, labels)
         loss = self.loss(self.engine(images.to(self.input_dtype)), targets, images)
         self.engine.backward(loss)
-        self.engine.step()
-        if self.ema is not None and self.engine.is_gradient_accumulation_boundary():
+        grad_norm = step_measuring_grad_norm(self.engine, self.deepspeed_grad_norm)
+        # after an optimizer step only (was_step_applied: the boundary just passed, not the next micro step's)
+        if self.ema is not None and self.engine.was_step_applied():
             self.ema.update(self.engine.module, step=self.engine.global_steps)
-        return loss.detach().float()
+        self.health.add_step(loss.detach().float(), grad_norm)
 
-    def sync_loss(self, unsynced: torch.Tensor, step: int) -> float:
-        """The global loss summed over the steps since the last sync (mean over ranks); one collective,
-        which also carries a NaN/inf from any rank to all of them, so every rank stops together."""
-        total = unsynced.clone()
-        dist.all_reduce(total)
-        if not torch.isfinite(total):
+    def log_health(self, step: int) -> float:
+        """The window since the last logging step over all ranks (one collective, which also carries a
+        NaN/inf loss from any rank to all of them, so every rank stops together); rank 0 logs it as MLflow
+        step metrics at the optimizer's global step. Returns the global loss summed over the window."""
+        report = self.health.gather(self.world_size)
+        if not report.finite:
             raise LossDiverged(step)
-        return total.item() / self.world_size
+        spiked = self.loss_spikes.observe(report)
+        if self.step_metrics is not None:
+            self.step_metrics.log({**report.metrics(), f"{HEALTH_PREFIX}lr": max(self.engine.get_lr()),
+                                   f"{HEALTH_PREFIX}loss_spikes": self.loss_spikes.count}, self.engine.global_steps)
+        if spiked:
+            self.loss_spiked(report, step)
+        return report.loss_sum
+
+    def loss_spiked(self, report: HealthReport, step: int) -> None:
+        """Says so (rank 0: on the console for `train`, in the log for a sweep's trial); the
+        ``run.max_loss_spikes``-th spike stops the run as diverged."""
+        run, count = self.cfg.run, self.loss_spikes.count
+        if self.rank == 0:
+            (say if self.plan.announce else print)(
+                f"loss spike at step {self.engine.global_steps}: {report.loss_max:.4g}, over {run.loss_spike_factor:g}x "
+                f"the running median {self.loss_spikes.median:.4g} "
+                f"({count}{'' if run.max_loss_spikes is None else f' of {run.max_loss_spikes}'})")
+        if run.max_loss_spikes is not None and count >= run.max_loss_spikes:
+            raise LossDiverged(step, f"{count} loss spikes over {run.loss_spike_factor:g}x the running median")
 
     def show_progress(self, epoch: int, done: int, steps: int, stats: EpochStats, seconds: float) -> None:
         if self.rank != 0 or not self.plan.announce:

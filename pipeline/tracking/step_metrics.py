@@ -1,0 +1,58 @@
+"""Rank 0's step metrics (``pipeline.components.health``) into its run, on MLflow's step axis.
+
+Written from a thread of its own: the training loop only hands each logging step's metrics over, and
+MLflow, which imports slowly and answers over the network, never holds a step up. This module imports
+no MLflow itself (the worker imports it): its thread does.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+_STOP = None
+CLOSE_TIMEOUT_S = 30.0  # what a run's end waits for the last steps' metrics to be written
+
+
+class StepMetricsLog:
+    """Step metrics queued by the training loop, written to ``run_id`` in ``uri`` in order."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.uri, self.run_id = uri, run_id
+        self.pending: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._write, name="vitsweep-step-metrics", daemon=True)
+        self.thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.pending.put((metrics, step, int(time.time() * 1000)))
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued (a store that does not answer holds the run's end up for ``timeout_s`` at most)."""
+        self.pending.put(_STOP)
+        self.thread.join(timeout_s)
+
+    def _write(self) -> None:
+        from mlflow.entities import Metric
+
+        from pipeline.tracking.connection import is_new_local_store, open_client
+
+        logger = logging.getLogger("vitsweep.step_metrics")
+        client = None
+        # A SQLite file this node does not have belongs to another node: opening it would create a store here.
+        if is_new_local_store(self.uri):
+            logger.warning("step metrics are not recorded: the store %s is not on this node", self.uri)
+        else:
+            try:
+                client = open_client(self.uri)
+            except Exception as err:  # noqa: BLE001  (as MLflow's own system metrics: never fail the run over them)
+                logger.warning("step metrics are not recorded: %s", err)
+        while (item := self.pending.get()) is not _STOP:
+            if client is None:
+                continue
+            metrics, step, timestamp = item
+            try:
+                client.log_batch(self.run_id, metrics=[Metric(key, value, timestamp, step)
+                                                       for key, value in metrics.items()])
+            except Exception as err:  # noqa: BLE001
+                logger.warning("could not log step %d's metrics: %s", step, err)
