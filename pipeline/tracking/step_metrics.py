@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
 _STOP = None
 CLOSE_TIMEOUT_S = 30.0  # what a run's end waits for the last steps' metrics to be written
@@ -25,7 +24,7 @@ class StepMetricsLog:
         self.thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.pending.put((metrics, step, int(time.time() * 1000)))
+        self.pending.put((metrics, step))
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Write what is queued (a store that does not answer holds the run's end up for ``timeout_s`` at most)."""
@@ -33,26 +32,24 @@ class StepMetricsLog:
         self.thread.join(timeout_s)
 
     def _write(self) -> None:
-        from mlflow.entities import Metric
-
-        from pipeline.tracking.connection import is_new_local_store, open_client
+        from pipeline.tracking.connection import is_new_local_store
+        from pipeline.tracking.store import MlflowRun
 
         logger = logging.getLogger("vitsweep.step_metrics")
-        client = None
+        run = None
         # A SQLite file this node does not have belongs to another node: opening it would create a store here.
         if is_new_local_store(self.uri):
             logger.warning("step metrics are not recorded: the store %s is not on this node", self.uri)
         else:
             try:
-                client = open_client(self.uri)
+                run = MlflowRun(self.uri, self.run_id)
             except Exception as err:  # noqa: BLE001  (as MLflow's own system metrics: never fail the run over them)
                 logger.warning("step metrics are not recorded: %s", err)
         while (item := self.pending.get()) is not _STOP:
-            if client is None:
+            if run is None:
                 continue
-            metrics, step, timestamp = item
+            metrics, step = item
             try:
-                client.log_batch(self.run_id, metrics=[Metric(key, value, timestamp, step)
-                                                       for key, value in metrics.items()])
+                run.log_metrics(metrics, step=step)
             except Exception as err:  # noqa: BLE001
                 logger.warning("could not log step %d's metrics: %s", step, err)
