@@ -308,3 +308,17 @@ def node_process(container: Container, command: str, env: dict[str, str] | None 
     namespace = ["unshare", *own] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", *own]
     return subprocess.Popen([*namespace, "bash", "-c", "\n".join(setup)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+MLFLOW_SERVER_AUTH_CONFIG = "/run/mlflow/basic_auth.ini"  # where cluster/kuberay/mlflow.yaml's server writes it
+
+
+def kuberay_mlflow_auth_config(database_uri: str) -> str:
+    """The basic-auth app's settings as cluster/kuberay/mlflow.yaml's server writes them at start, for a
+    store at ``database_uri``: the file's own ``printf`` line, run by ``sh`` with that URI."""
+    (deployment,) = [doc for doc in yaml.safe_load_all((CLUSTER / "kuberay" / "mlflow.yaml").read_text())
+                     if doc and doc["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (writes,) = re.findall(rf"^\s*(printf .*?> {MLFLOW_SERVER_AUTH_CONFIG})$", container["args"][0], re.M | re.S)
+    return subprocess.run(["sh", "-c", writes.replace(f"> {MLFLOW_SERVER_AUTH_CONFIG}", "")], capture_output=True,
+                          text=True, check=True, env={"MLFLOW_BACKEND_STORE_URI": database_uri}).stdout

@@ -1,7 +1,7 @@
 """A first cluster launch, simulated on this machine: a head that takes no work (0 CPUs, as every
 cluster file starts it), an MLflow server that requires a login (its basic-auth app, as
-cluster/kuberay/mlflow.yaml runs it), and the MLflow credentials only in each node's environment (as
-the cluster files give them to every node's `ray start`, or pod).
+cluster/kuberay/mlflow.yaml runs it, with its settings), and the MLflow credentials only in each node's
+environment (as the cluster files give them to every node's `ray start`, or pod).
 
 The head offers the trial slots every cluster file gives it (cluster_nodes.ray_start_resources).
 `vitsweep tune` starts while no worker node is up yet: it sizes its trials by what the cluster's
@@ -33,7 +33,7 @@ from pipeline.components.modeling import build_model
 from pipeline.config.loading import load_config
 from pipeline.data.staging import CACHE_DIR_ENV
 from pipeline.sweeps.resources import START_TIMEOUT_ENV
-from cluster_nodes import ray_start_resources
+from cluster_nodes import kuberay_mlflow_auth_config, ray_start_resources
 from simulated_cluster import actor_nodes, driver_joins, run_cluster_process, stop_with_the_test
 from test_cluster_multinode import assert_staged_once_from_source
 
@@ -106,13 +106,11 @@ def _post_as(uri: str, user: str, password: str, path: str, body: dict) -> int:
 
 @pytest.fixture(scope="module")
 def login_mlflow(tmp_path_factory):
-    """MLflow's basic-auth server on loopback, with the training user the README's step 2 creates."""
+    """MLflow's basic-auth server on loopback, its settings those cluster/kuberay/mlflow.yaml's server writes
+    (its users in SQLite here), with the training user the README's step 2 creates."""
     directory = tmp_path_factory.mktemp("mlflow-basic-auth")
     admin_password, trainer_password = secrets.token_hex(16), secrets.token_hex(16)
-    (directory / "basic_auth.ini").write_text(
-        "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = sqlite:///{directory / 'basic_auth.db'}\nadmin_username = admin\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    (directory / "basic_auth.ini").write_text(kuberay_mlflow_auth_config(f"sqlite:///{directory / 'basic_auth.db'}"))
     env = {**vitsweep_env(), "MLFLOW_AUTH_CONFIG_PATH": str(directory / "basic_auth.ini"),
            "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password, "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
     with mlflow_server(directory / "server.log", "--app-name", "basic-auth",

@@ -15,6 +15,7 @@ import pytest
 import ray
 import yaml
 
+from cluster_nodes import kuberay_mlflow_auth_config
 from pipeline.config.loading import load_config
 from pipeline.components.engine import deepspeed_config
 
@@ -353,6 +354,20 @@ def test_mlflow_server_runs_behind_basic_auth_with_postgres_and_an_object_store(
     assert "--backend-store-uri" not in script  # read from the environment: the password stays out of argv
     postgres = one("StatefulSet", "mlflow-postgres")
     assert urlsplit(env["MLFLOW_BACKEND_STORE_URI"]["value"]).hostname == postgres["spec"]["serviceName"]
+
+
+def test_mlflow_servers_login_settings_trust_a_verified_login_for_a_minute_as_mlflow_reads_them(tmp_path, monkeypatch):
+    """Without MLflow's credential cache every request re-hashes the password (werkzeug's scrypt, ~0.5 CPU-s
+    on 2 cores: benchmarks/bench_mlflow_auth_cache.py), and every run's metrics and every node's system
+    metrics are requests. The settings file the server writes, read by MLflow's own reader."""
+    from mlflow.server.auth.config import read_auth_config
+
+    (tmp_path / "basic_auth.ini").write_text(kuberay_mlflow_auth_config("postgresql://mlflow@mlflow-postgres/mlflow"))
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "basic_auth.ini"))
+    settings = read_auth_config()
+    assert settings.auth_cache_ttl_seconds == 60
+    assert settings.authorization_function == "mlflow.server.auth:authenticate_request_basic_auth"
+    assert settings.database_uri == "postgresql://mlflow@mlflow-postgres/mlflow" and settings.default_permission == "READ"
 
 
 def test_mlflow_credentials_come_from_secrets_and_expand_only_inside_the_pod():
