@@ -98,6 +98,11 @@ def quiet_environment() -> None:
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # it would send each of our lines twice
     os.environ.setdefault("TQDM_DISABLE", "1")  # unlabelled library bars (ffcv's writer); vitsweep says what it writes
+    # MLflow's usage telemetry starts a thread in every process that fetches its settings from the internet.
+    # Offline (a cluster without egress) the fetch fails and the thread removes an environment variable
+    # while a request may be reading the environment: the request fails (MLflow 3.17, "failed with
+    # exception '_MLFLOW_TELEMETRY_SESSION_ID'"). MLFLOW_DISABLE_TELEMETRY=false turns it back on.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 _active: Console | None = None

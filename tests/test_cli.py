@@ -241,7 +241,7 @@ def _make_test(target: Path, *make_args: str) -> subprocess.CompletedProcess:
 
 # What quiet_environment sets (pipeline.console): a command run in-process puts them in pytest's os.environ.
 QUIET_SETTINGS = ("RAY_DEDUP_LOGS", "RAY_AIR_NEW_OUTPUT", "RAY_TRAIN_ENABLE_PRINT_PATCH", "TQDM_DISABLE",
-                  "MLFLOW_CONFIGURE_LOGGING", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+                  "MLFLOW_CONFIGURE_LOGGING", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "MLFLOW_DISABLE_TELEMETRY")
 
 
 def test_a_command_run_in_process_leaves_nothing_for_later_tests_or_the_commands_they_start(capsys):

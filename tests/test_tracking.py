@@ -239,6 +239,21 @@ def test_what_ray_trains_controller_and_workers_import_first_stays_off_each_runs
     assert _imported("pipeline.training.worker", {"mlflow"}) == "[]"
 
 
+def test_a_commands_mlflow_starts_no_telemetry_thread_whose_offline_failure_breaks_a_request():
+    """MLflow's telemetry thread, failing to fetch its settings offline, unsets an environment variable while a
+    request reads the environment (seen: `vitsweep evaluate` on a simulated KubeRay head, "failed with
+    exception '_MLFLOW_TELEMETRY_SESSION_ID'"). In an environment MLflow does not take for a test or CI (the
+    commands of a cluster's nodes), a command's settings leave it off."""
+    probe = ("from pipeline.console import quiet_environment; quiet_environment(); import mlflow, threading; "
+             "from mlflow.telemetry import get_telemetry_client; "
+             "print(get_telemetry_client() is None, [t.name for t in threading.enumerate() if 'Telemetry' in t.name])")
+    clean = {key: value for key, value in os.environ.items()
+             if key not in ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=clean,
+                            cwd=Path(__file__).parents[1])
+    assert result.stdout.strip() == "True []", result.stdout + result.stderr[-2000:]
+
+
 def test_a_runs_description_reads_as_prose_counting_its_epochs(tmp_path):
     """What the MLflow UI shows first: "1 epoch" (not "1 epochs"), the model's arguments as key=value."""
     from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, describe_run
