@@ -2,9 +2,9 @@
 the KubeRay heads, GPU workers and init containers, the launchers' head and GPU worker nodes, each with
 its manifest's user, volumes and environment), runs vitsweep's part there on this machine: the doctor of
 its role passes on a healthy node, and a check that cannot apply there is skipped with its reason instead
-of failing the node; on every head, where job drivers run, a job's driver (a train and a sweep of the
-8x8 A100 job, its dataset a URI) passes every check it makes before Ray and stops only at joining the
-cluster, which is not there.
+of failing the node; on every head, where job drivers run, a job's driver (a train of the 8x8 A100 job,
+its dataset a URI; on the KubeRay head also its sweep and an evaluation) passes every check it makes
+before Ray and stops only at joining the cluster, which is not there.
 
 This machine has no GPU, so there a GPU node's own check fails (exactly as `check_gpu_node()` says) and
 every other check must pass or be skipped."""
@@ -77,10 +77,13 @@ TUNE = TRAIN.replace("exec vitsweep train ", "exec vitsweep tune --space lr_wd "
 REGISTERED = "models:/imagenet-classifier@champion"
 EVALUATE = re.sub(r"exec vitsweep train (.*) --set \"data.train=[^\"]*\" --set \"data.val=([^\"]*)\"",
                   rf'exec vitsweep evaluate {REGISTERED} --workers 64 \1 --data "\2"', TRAIN)
-DRIVERS = distinct([(container, command) for container in CONTAINERS if container.runs_job_drivers
-                    for command in (TRAIN, TUNE, EVALUATE)])
 (KUBERAY_HEAD, *_) = [container for container in CONTAINERS
                       if container.where.startswith("kuberay/") and container.runs_job_drivers]
+# The train on every kind of head (what differs between heads: volumes, user, where MLflow's address comes
+# from, all checked before any verb's own); the sweep and the evaluation, whose own checks (the space, the
+# registered model) read the same environment, on the KubeRay head.
+DRIVERS = distinct([(container, command) for container in CONTAINERS if container.runs_job_drivers
+                    for command in (TRAIN, TUNE, EVALUATE) if command == TRAIN or container == KUBERAY_HEAD])
 (RAYJOB_HEAD,) = [container for container in CONTAINERS
                   if container.where.startswith("kuberay/rayjob.yaml") and container.runs_job_drivers]
 (SUBMITTER,) = rayjob_submitters()
@@ -322,9 +325,12 @@ print(json.dumps({"node": os.environ["NODE"], "uri": uri, "user": os.environ["ML
 """
 PROCESSES = """
 import json, os, psutil
+from mlflow.server.auth.config import read_auth_config
 store = "/mnt/shared/mlflow"
+os.environ["MLFLOW_AUTH_CONFIG_PATH"] = os.path.join(store, "basic_auth.ini")
 print(json.dumps({"processes": [p.info for p in psutil.process_iter(["pid", "ppid", "cmdline"])],
-                  "store_mode": oct(os.stat(store).st_mode & 0o777), "store": sorted(os.listdir(store))}))
+                  "store_mode": oct(os.stat(store).st_mode & 0o777), "store": sorted(os.listdir(store)),
+                  "login_cache_s": read_auth_config().auth_cache_ttl_seconds}))
 """
 
 
@@ -357,6 +363,7 @@ def test_a_launcher_heads_start_command_serves_mlflow_behind_a_login_to_every_no
     assert len(servers) == 1, servers  # the second `ray up` found it answering
     assert "sqlite:////mnt/shared/mlflow/mlflow.db" in servers[0]["cmdline"]  # outlives `ray down`
     assert facts["store_mode"] == "0o700" and "basic_auth.db" in facts["store"]
+    assert facts["login_cache_s"] == 60  # a verified login is not re-hashed at every request (MLflow's reader)
     argv = " ".join(word for p in facts["processes"] for word in p["cmdline"] or [])
     assert not [name for name, value in STAND_IN_SECRETS.items() if value in argv]  # no password in any argv
 
