@@ -75,12 +75,15 @@ class Sizes:
     # how many models' steps are profiled (all on the GPU; tiny: the first, the same code path for each,
     # while reading a profile back costs seconds per step on CPU)
     profiled_models: int | None = None
+    # tiny: the same capture through deepspeed.compile without inductor's code generation, whose CPU
+    # half (C++, a minute on 2 cores) a GPU never runs (tests/test_engine_runtime.py compiles with it)
+    compile_backend: str = "inductor"
 
     @classmethod
     def of(cls, tiny: bool) -> Sizes:
         if tiny:
             return cls(img_size=32, num_classes=10, batch=4, warmup=1, steps=2, augment_batch=8, svpn_batch=2,
-                       max_batch=8, depth=1, profiled_models=1)
+                       max_batch=8, depth=1, profiled_models=1, compile_backend="aot_eager")
         return cls(img_size=224, num_classes=1000, batch=128, warmup=5, steps=20, augment_batch=256,
                    svpn_batch=128, max_batch=2048)
 
@@ -117,7 +120,8 @@ def vitsweep_config(model: PaperModel, sizes: Sizes, device, compile_step: bool 
     return load_config("default", [
         f"model.name={model.name}", f"model.img_size={sizes.img_size}", f"model.args={json.dumps(sizes.model_args(model))}",
         f"optim.micro_batch_size={sizes.batch}", "deepspeed.zero_stage=2", "deepspeed.precision=bf16",
-        f"deepspeed.compile={compile_step}", "scaling.num_workers=1", f"scaling.use_gpu={gpu}",
+        f"deepspeed.compile={compile_step}", *([f"deepspeed.compile_backend={sizes.compile_backend}"] if compile_step else []),
+        "scaling.num_workers=1", f"scaling.use_gpu={gpu}",
         f"scaling.gpus_per_worker={1 if gpu else 0}", "data.prepare=null",
     ])
 
@@ -392,7 +396,7 @@ def compile_timing(model: PaperModel, sizes: Sizes, device) -> dict:
         first[compiled] = time.perf_counter() - started
         rates[compiled] = sizes.batch / timed(step, sizes.batch, sizes.warmup, sizes.steps, device)
         cleanup()
-    return {"model": model.label, "eager_images_per_s": round(rates[False], 1),
+    return {"model": model.label, "backend": sizes.compile_backend, "eager_images_per_s": round(rates[False], 1),
             "compiled_images_per_s": round(rates[True], 1), "speedup": round(rates[True] / rates[False], 3),
             "compile_s": round(first[True] - first[False], 1)}
 
@@ -401,9 +405,11 @@ def distributions_imported() -> list[str]:
     """The installed distributions whose modules this process imported, each module attributed by where
     its file lies below the outermost ``sys.path`` entry holding it (a package vendored inside another,
     as setuptools vendors jaraco on a path entry of its own, is that other's); vitsweep's own, the
-    standard library's and torch's compiled kernels are none of them."""
+    standard library's and torch's compiled kernels are none of them. The repository is no such entry:
+    a virtual environment inside it (``make setup``'s ``.venv``) would make every module its own."""
     distributions = importlib.metadata.packages_distributions()
-    roots = sorted({Path(entry).resolve() for entry in sys.path if entry and Path(entry).is_dir()},
+    repository = Path(__file__).resolve().parents[1]
+    roots = sorted({Path(entry).resolve() for entry in sys.path if entry and Path(entry).is_dir()} - {repository},
                    key=lambda root: len(root.parts))
     found = set()
     for module in list(sys.modules.values()):
@@ -412,7 +418,7 @@ def distributions_imported() -> list[str]:
             continue
         path = Path(file).resolve()
         root = next((root for root in roots if path.is_relative_to(root)), None)
-        if root is None or root == Path(__file__).resolve().parents[1]:
+        if root is None:
             continue
         top = path.relative_to(root).parts[0].split(".")[0]
         found.update(dist.lower().replace("_", "-") for dist in distributions.get(top, []))
@@ -444,7 +450,7 @@ def markdown(report: dict) -> str:
                   + "; ".join(f"{name} {ms} ms ({s['speedup_vs_exact'][name]}x)" for name, ms in s["ms"].items())]
     if report.get("compile"):
         c = report["compile"]
-        lines += ["", f"torch.compile of vitsweep's step, {c['model']}: {c['eager_images_per_s']} -> "
+        lines += ["", f"torch.compile ({c['backend']}) of vitsweep's step, {c['model']}: {c['eager_images_per_s']} -> "
                       f"{c['compiled_images_per_s']} images/s ({c['speedup']}x), compile {c['compile_s']} s."]
     lines += ["", "Skipped (time budget): " + (", ".join(report["skipped"]) or "nothing")]
     return "\n".join(lines) + "\n"

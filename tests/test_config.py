@@ -66,6 +66,8 @@ INVALID = [
     ("zero_max_loss_spikes", ["run.max_loss_spikes=0"], "run.max_loss_spikes"),
     ("fp16_on_cpu", ["deepspeed.precision=fp16"], "fp16"),
     ("offload_without_zero", ["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=true"], "offload_optimizer"),
+    ("unknown_compile_backend", ["deepspeed.compile=true", "deepspeed.compile_backend=tvm"], "deepspeed.compile_backend"),
+    ("compile_backend_without_compile", ["deepspeed.compile_backend=aot_eager"], "compile_backend"),
     ("gpu_without_gpus_per_worker", ["scaling.use_gpu=true"], "gpus_per_worker"),
     ("gpus_without_use_gpu", ["scaling.gpus_per_worker=1"], "gpus_per_worker"),
     ("zero_micro_batch", ["optim.micro_batch_size=0"], "optim.micro_batch_size"),

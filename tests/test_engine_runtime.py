@@ -19,7 +19,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 DATA_VARIANCE = 1.05
 
 
-def train_batchnorm_model(precision: str, steps: int = 40, compiled: bool = False):
+def train_batchnorm_model(precision: str, steps: int = 40, compiled: bool = False, *overrides: str):
     """A conv + BatchNorm model trained ``steps`` AdamW steps by a real DeepSpeed engine: (its BN, losses)."""
     import deepspeed
 
@@ -29,7 +29,7 @@ def train_batchnorm_model(precision: str, steps: int = 40, compiled: bool = Fals
         model[0].weight.copy_(torch.eye(4, 3).view(4, 3, 1, 1))
     model[0].weight.requires_grad_(False)
     cfg = load_config("smoke", [f"deepspeed.precision={precision}", "optim.micro_batch_size=64",
-                                f"deepspeed.compile={compiled}"])
+                                f"deepspeed.compile={compiled}", *overrides])
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model[1:].parameters(), lr=1e-3),
                                            config=deepspeed_config(cfg, world_size=1), dist_init_required=False)
     assert keep_batchnorm_in_fp32(engine.module) == 1
@@ -58,6 +58,16 @@ def test_bf16_batchnorm_keeps_bf16_parameters_and_returns_bf16_activations(singl
     assert batchnorm.weight.dtype == batchnorm.bias.dtype == torch.bfloat16  # DeepSpeed's flat bf16 groups
     assert batchnorm(torch.randn(2, 4, 4, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert isinstance(batchnorm.weight, nn.Parameter)  # the hooks put the Parameters back
+
+
+def test_the_compile_backend_is_the_configs(single_process_group):
+    """aot_eager captures and differentiates the graphs (AOT autograd compiles them) and generates no code:
+    torch._dynamo's own counters, which inductor adds to for every graph it lowers."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    train_batchnorm_model("fp32", 1, True, "deepspeed.compile_backend=aot_eager")
+    assert counters["aot_autograd"]["total"] >= 1 and not counters["inductor"], dict(counters)
 
 
 def test_a_compiled_bf16_engine_takes_the_same_steps_as_the_eager_one(single_process_group):

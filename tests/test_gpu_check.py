@@ -19,10 +19,12 @@ from gpu_check import MODELS, NOT_IMPORTED, Sizes, largest_micro_batch  # noqa: 
 # The GPU machine's image (the device tool's README): these and what they require.
 IMAGE = ("torch", "timm", "numba", "numpy", "pillow")
 # Imported where installed, gone without where not (each inside a try): numba's cffi support
-# (numba/core/typing/cffi_utils.py) and its SciPy version check (numba/__init__.py), numpy.f2py's
-# charset_normalizer, httpx2's zstd decoder (backports.zstd below Python 3.14: the ``backports``
-# namespace, which backports.tarfile provides in this environment).
-OPTIONAL = {"cffi", "pycparser", "scipy", "charset-normalizer", "backports-zstd", "backports.tarfile"}
+# (numba/core/typing/cffi_utils.py), its SciPy version check (numba/__init__.py) and its coverage
+# support (numba/misc/coverage_support.py), numpy.f2py's charset_normalizer, torch.cuda's NVML bindings
+# (nvidia-ml-py's pynvml, torch/cuda/__init__.py), httpx2's zstd decoder (backports.zstd below Python
+# 3.14: the ``backports`` namespace, which backports.tarfile provides in this environment).
+OPTIONAL = {"cffi", "pycparser", "scipy", "coverage", "charset-normalizer", "nvidia-ml-py", "backports-zstd",
+            "backports.tarfile"}
 CARRY_LIMIT = 64 * 2**20
 
 # The script run as the GPU machine has it: the packages it lacks cannot be imported (a library that
@@ -81,6 +83,7 @@ def test_the_input_pipeline_svpn_and_compile_parts_report_their_figures(tiny_run
     assert tiny_run["augment"]["vitsweep_device_images_per_s"] > 0 and tiny_run["augment"]["timm_cpu_images_per_s"] > 0
     assert tiny_run["svpn"]["ms"]["exact (SVD)"] > 0 and "approx #sv=1 #iter=1" in tiny_run["svpn"]["ms"]
     assert tiny_run["compile"]["compiled_images_per_s"] > 0 and tiny_run["compile"]["compile_s"] is not None
+    assert tiny_run["compile"]["backend"] == "aot_eager" and Sizes.of(tiny=False).compile_backend == "inductor"
     assert "| XCiT-N12/16 (003) | vitsweep |" in tiny_run["markdown"]
 
 
@@ -122,6 +125,8 @@ def carried_wheels() -> list[Path]:
 
 def test_what_it_imports_is_the_images_or_the_carried_wheels(tiny_run, carried_wheels):
     carried = {wheel.name.split("-")[0].lower().replace("_", "-") for wheel in carried_wheels}
+    # what it surely imports is found (with make setup's .venv inside the repository, it once found nothing)
+    assert {"torch", "timm", "deepspeed", "numba", "pillow"} <= set(tiny_run["distributions_imported"])
     unavailable = set(tiny_run["distributions_imported"]) - _requirements_closure(IMAGE) - carried - OPTIONAL
     assert not unavailable, f"the GPU machine would lack {sorted(unavailable)}"
 

@@ -122,12 +122,12 @@ def _batchnorm_leave_fp32(module: nn.Module, args: tuple, output: torch.Tensor) 
 
 
 def compile_engine(engine, cfg: ExperimentConfig) -> bool:
-    """``torch.compile`` the engine's model (DeepSpeed's ``engine.compile()``, inductor) when
-    ``deepspeed.compile`` asks for it; True when compiled. Call after ``deepspeed.initialize`` and
+    """``torch.compile`` the engine's model (DeepSpeed's ``engine.compile()``, ``deepspeed.compile_backend``)
+    when ``deepspeed.compile`` asks for it; True when compiled. Call after ``deepspeed.initialize`` and
     ``keep_batchnorm_in_fp32``; the first steps then pay the compile (benchmarks/RESULTS.md)."""
     if not cfg.deepspeed.compile:
         return False
-    engine.compile()
+    engine.compile(backend=cfg.deepspeed.compile_backend)
     return True
 
 

@@ -311,13 +311,24 @@ class DeepSpeedConfig(_Section):
     # GPUs: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa, ~8x IEEE fp32 on
     # A100), as timm and DeiT train; false keeps IEEE fp32. Ignored on CPU.
     tf32: bool = True
-    # torch.compile the model through DeepSpeed's engine.compile() (inductor): a one-off compile of
-    # tens of seconds per worker for faster steps; see benchmarks/RESULTS.md.
+    # torch.compile the model through DeepSpeed's engine.compile(): a one-off compile of tens of
+    # seconds per worker for faster steps; see benchmarks/RESULTS.md.
     compile: bool = False
+    # its backend, as timm's --torchcompile names it: inductor generates fused kernels; cudagraphs
+    # replays CUDA graphs; aot_eager captures and differentiates the same graphs without generating
+    # code (seconds, not a minute: a check that the model compiles).
+    compile_backend: Literal["inductor", "cudagraphs", "aot_eager"] = "inductor"
     # Under bf16/fp16, sum the gradients across ranks in fp32 (DeepSpeed's communication_data_type):
     # DeepSpeed's default reduces in the training precision, whose 8 significant bits (bf16) drop a
     # small rank's share of a 64-rank sum. The cost: twice the bytes each step sends. No effect in fp32.
     reduce_in_fp32: bool = True
+
+    @model_validator(mode="after")
+    def _backend_needs_compile(self) -> DeepSpeedConfig:
+        if self.compile_backend != "inductor" and not self.compile:  # the default's value, not whether set: a
+            # dumped config (a worker's, a checkpoint's) holds every key
+            raise ValueError(f"compile_backend={self.compile_backend} needs compile=true: nothing is compiled")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> DeepSpeedConfig:
