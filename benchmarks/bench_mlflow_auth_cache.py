@@ -54,6 +54,17 @@ def tree_cpu_seconds(root: psutil.Process) -> float:
     return total
 
 
+def settled_cpu_seconds(root: psutil.Process, quiet_s: float = 0.02, every_s: float = 0.5) -> float:
+    """The tree's CPU-seconds once it has used less than ``quiet_s`` of them over ``every_s`` (at most 60 s)."""
+    previous, deadline = tree_cpu_seconds(root), time.monotonic() + 60
+    while True:
+        time.sleep(every_s)
+        current = tree_cpu_seconds(root)
+        if current - previous < quiet_s or time.monotonic() > deadline:
+            return current
+        previous = current
+
+
 def measure(directory: Path, cache_ttl_s: int, requests: int) -> dict:
     """Server CPU-seconds and wall seconds per authenticated log-batch request."""
     directory.mkdir()
@@ -88,9 +99,9 @@ def measure(directory: Path, cache_ttl_s: int, requests: int) -> dict:
         experiment = call(uri, TRAINER, trainer, "POST", "/api/2.0/mlflow/experiments/create", {"name": "bench"})
         run = call(uri, TRAINER, trainer, "POST", "/api/2.0/mlflow/runs/create",
                    {"experiment_id": experiment["experiment_id"]})["run"]["info"]["run_id"]
-        time.sleep(2)  # let start-up work settle before counting
         process = psutil.Process(server.pid)
-        cpu_before, started = tree_cpu_seconds(process), time.perf_counter()
+        cpu_before = settled_cpu_seconds(process)  # start-up work done: the count holds the requests alone
+        started = time.perf_counter()
         for step in range(requests):
             call(uri, TRAINER, trainer, "POST", "/api/2.0/mlflow/runs/log-batch", {
                 "run_id": run, "metrics": [{"key": "loss", "value": 1.0 / (step + 1), "timestamp": 0, "step": step}]})
