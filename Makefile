@@ -82,7 +82,8 @@ test: setup browser-packages
 # mutant mutmut makes of MODULE, then the score and each survivor. Minutes to an hour on 2 cores; not CI.
 MUTATION_MODULES := pipeline.components.metrics pipeline.components.losses pipeline.components.optim \
 	pipeline.components.checkpointing models.layers.mgcrp pipeline.data.rand_augment models.layers.svpn \
-	pipeline.sweeps.importance
+	pipeline.sweeps.importance pipeline.sweeps.report pipeline.trained.transfer pipeline.trained.prediction \
+	pipeline.trained.evaluation pipeline.trained.registry
 mutation: mutation-module setup
 	@test -x $(BIN)/mutmut || $(UV_INSTALL) -e ".[mutation]"
 	rm -rf mutants

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from mlflow.entities import Dataset, DatasetInput
 from mlflow.tracking import MlflowClient
 from safetensors.torch import save_model
 
@@ -18,7 +19,10 @@ from pipeline.trained.model_source import resolve_model_source
 from pipeline.components.modeling import build_model
 from pipeline.trained.serving import log_model
 from pipeline.sweeps.tracking import open_child_run, open_parent_run
-from pipeline.tracking.store import MlflowStore
+from pipeline.tracking.store import MlflowRun, MlflowStore
+from pipeline.trained.registry import register_run
+from pipeline.tracking.connection import fluent_tracking_uri
+from pipeline.errors import InvalidInputError
 
 
 def _register(store: str, *args: str) -> int:
@@ -43,7 +47,10 @@ def test_a_run_registers_as_a_version_of_its_logged_model_with_its_metrics_and_d
     assert (version.tags["val_top1"], version.tags["val_loss"]) == ("12.5", "2.3")
     assert version.tags["dataset.validation"] == "val.beton"
     assert version.tags["dataset.training.sha256"] == read_sidecar(logged_run.data["train"]).sha256
-    assert version.tags["model.name"] == "xcit_nano_12_p8" and version.tags["run_name"] == "logged"
+    assert version.tags["run_name"] == "logged"
+    # the smoke preset's model (pipeline/config/presets/smoke.yaml), each constructor argument a tag of its own
+    assert {key: value for key, value in version.tags.items() if key.startswith("model.")} == {
+        "model.name": "xcit_nano_12_p8", "model.img_size": "16", "model.args.depth": "2"}
     # the run's description ("**xcit_nano_12_p8**, untrained.", markdown the run page renders) in plain text:
     # the versions table shows a description as written
     assert version.description.startswith("xcit_nano_12_p8, untrained. Final: val_top1 12.5"), version.description
@@ -64,9 +71,6 @@ def test_the_same_run_registered_again_adds_no_version_and_moves_the_alias(logge
         {"name": "twice", "version": "1"}]
 
 
-# -- sweeps --------------------------------------------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def trained_weights(tmp_path_factory):
     cfg = load_config("smoke")
@@ -74,6 +78,82 @@ def trained_weights(tmp_path_factory):
     path = tmp_path_factory.mktemp("weights") / "model.safetensors"
     save_model(model, str(path))
     return model, path, ModelCard.of_run(cfg, 10)
+
+
+def _finished_runs_with_models(tmp_path, trained_weights, names: tuple[str, ...]) -> tuple[str, list[str]]:
+    """A new store holding a FINISHED run per name, each with its model logged as training logs it."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    model, weights, card = trained_weights
+    run_ids = []
+    for name in names:
+        run = MlflowStore(store).create_run("vitsweep", name)
+        log_model(run, model, [weights], card, step=1)
+        run.end("FINISHED", "completed")
+        run_ids.append(run.run_id)
+    return store, run_ids
+
+
+def test_a_second_run_becomes_the_next_version_and_takes_the_alias(tmp_path, trained_weights):
+    store, (first, second) = _finished_runs_with_models(tmp_path, trained_weights, ("first", "second"))
+    registered = [register_run(store, run_id, "family", "best") for run_id in (first, second)]
+    assert [(r.version, r.run_id, r.created) for r in registered] == [("1", first, True), ("2", second, True)]
+    client = MlflowClient(store)
+    assert client.get_registered_model("family").aliases == {"best": 2}
+    by_version = {str(v.version): v for v in client.search_model_versions("name = 'family'")}
+    assert by_version["2"].run_id == second and by_version["2"].tags["run_name"] == "second"
+    assert by_version["2"].source == f"models:/{registered[1].model_id}"
+    assert registered[1].uri == "models:/family@best"
+    # the first run's model, registered under a second name too, lists both registrations on its page
+    register_run(store, first, "sibling")
+    listed = json.loads(client.get_logged_model(registered[0].model_id).tags["mlflow.modelVersions"])
+    assert [(entry["name"], str(entry["version"])) for entry in listed] == [("family", "1"), ("sibling", "1")]
+
+
+def test_a_run_registered_twice_outside_vitsweep_stands_for_its_first_version(tmp_path, trained_weights):
+    store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("twice",))
+    first = register_run(store, run_id, "family")
+    # a second version of the same run, made with MLflow's own client (vitsweep adds none)
+    with fluent_tracking_uri(store):  # MLflow resolves a models:/ source through the process's tracking URI
+        MlflowClient(store).create_model_version("family", source=f"models:/{first.model_id}", run_id=run_id)
+    again = register_run(store, run_id, "family", "best")
+    assert (again.version, again.created) == ("1", False)
+    assert MlflowClient(store).get_registered_model("family").aliases == {"best": 1}
+
+
+def test_a_versions_description_is_its_runs_in_plain_text_then_its_final_metrics_and_origin(tmp_path,
+                                                                                           trained_weights):
+    store, (described, bare) = _finished_runs_with_models(tmp_path, trained_weights, ("described", "bare"))
+    MlflowRun(store, described).set_tags({"mlflow.note.content": "**xcit** at `optim.lr=3e-4`,\n  seed 1.",
+                                          "trial_id": "t9"})  # a trial whose sweep is not recorded
+    MlflowRun(store, described).log_metrics({"val_loss": 0.30001, "val_top1": 91.23456, "train_loss": 0.2}, step=3)
+    # a dataset input logged by MLflow's own client, with no context and no digest tag
+    MlflowClient(store).log_inputs(bare, datasets=[DatasetInput(Dataset("shared.beton", "0" * 8, "local", "{}"), [])])
+    for run_id in (described, bare):
+        register_run(store, run_id, "described")
+    found = {v.run_id: v for v in MlflowClient(store).search_model_versions("name = 'described'")}
+    assert found[bare].tags == {"dataset.dataset": "shared.beton", "run_name": "bare"}
+    versions = {run_id: version.description for run_id, version in found.items()}
+    assert versions[described] == ("xcit at 'optim.lr=3e-4', seed 1. Final: val_top1 91.23, val_loss 0.3, train_loss 0.2. "
+                                   f"From run 'described' ({described}), trial t9 of sweep '?'.")
+    assert versions[bare] == f"From run 'bare' ({bare})."
+
+
+def test_a_run_without_a_logged_model_is_refused_by_registering_itself(tmp_path):
+    run = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db").create_run("vitsweep", "crashed")
+    run.end("FAILED", "error: out of memory")
+    with pytest.raises(InvalidInputError, match=rf"run 'crashed' \({run.run_id}, FAILED\) logged no model: only a run "
+                                                 r"that finished \(FINISHED, its final model logged\) can be registered"):
+        register_run(run.uri, run.run_id, "family")
+
+
+def test_registering_checks_the_alias_itself_not_only_the_command_line(tmp_path, trained_weights):
+    store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("digits",))
+    with pytest.raises(InvalidInputError, match="an alias of digits reads as a version number"):
+        register_run(store, run_id, "family", "3")
+    assert MlflowClient(store).search_registered_models() == []
+
+
+# -- sweeps --------------------------------------------------------------------------------------------
 
 
 def _sweep(tmp_path, trained_weights, trials: dict[str, tuple[str, float]], metric: str = "val_top1") -> str:

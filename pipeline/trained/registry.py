@@ -121,7 +121,8 @@ def describe_version(run) -> str:
     origin = f"run '{run.info.run_name}' ({run.info.run_id})"
     if run.data.tags.get("trial_id"):
         origin += f", trial {run.data.tags['trial_id']} of sweep '{run.data.tags.get('sweep', '?')}'"
-    return f"{_plain(run.data.tags.get('mlflow.note.content', ''))} Final: {shown}. From {origin}.".strip()
+    parts = (_plain(run.data.tags.get("mlflow.note.content", "")), f"Final: {shown}." if shown else "", f"From {origin}.")
+    return " ".join(part for part in parts if part)
 
 
 def _plain(markdown: str) -> str:
@@ -130,7 +131,7 @@ def _plain(markdown: str) -> str:
 
 
 def version_tags(run) -> dict[str, str]:
-    """The run's final metrics, its datasets (name and SHA-256 per context), model and knobs."""
+    """The run's final metrics, its datasets (name and SHA-256 per context), model (name, size, arguments) and knobs."""
     tags = {key: f"{run.data.metrics[key]:.6g}" for key in REPORTED_METRICS if key in run.data.metrics}
     for dataset_input in run.inputs.dataset_inputs if run.inputs else []:
         input_tags = {tag.key: tag.value for tag in dataset_input.tags}
@@ -138,10 +139,9 @@ def version_tags(run) -> dict[str, str]:
         tags[f"dataset.{context}"] = dataset_input.dataset.name
         if "sha256" in input_tags:
             tags[f"dataset.{context}.sha256"] = input_tags["sha256"]
-    params = run.data.params
-    for key in ("model.name", "model.args", "model.img_size"):
-        if key in params:
-            tags[key] = params[key]
+    for key, value in run.data.params.items():  # the model's arguments are logged one param each, model.args.<name>
+        if key in ("model.name", "model.img_size") or key.startswith("model.args."):
+            tags[key] = value
     for key in ("knobs", "sweep", "trial_id"):
         if key in run.data.tags:
             tags[key] = run.data.tags[key]
