@@ -203,9 +203,11 @@ def pytest_configure(config) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The session's directories go with a passing session; a failing one's stay for a look."""
+    """The session's directories go with a passing session; a failing one's stay for a look, except under
+    `make mutation`, whose every killed mutant is a failing session (hundreds of them would fill the disk)."""
     shutil.rmtree(session.config.session_cache, ignore_errors=True)
-    if exitstatus == 0 and Path(session.config.option.basetemp).name.startswith("pytest-vitsweep-"):
+    kept = exitstatus != 0 and "MUTANT_UNDER_TEST" not in os.environ
+    if not kept and Path(session.config.option.basetemp).name.startswith("pytest-vitsweep-"):
         shutil.rmtree(session.config.option.basetemp, ignore_errors=True)
 
 

@@ -12,6 +12,9 @@ from PIL import Image
 from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
 from conftest import DIGITS
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
+from pipeline.components.model_card import ModelCard
+from pipeline.config.loading import load_config
+from pipeline.trained.prediction import ImageClassifier
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,12 @@ def test_a_folder_is_classified_recursively_with_the_models_class_names(logged_r
         assert 0 < sum(entry["probabilities"]) <= 1 + 1e-6
 
 
+def test_files_and_folders_given_together_are_classified_in_the_order_given(logged_run, images, capsys):
+    assert _predict(logged_run, str(images / "b.png"), str(images / "more"), str(images / "a.png"), "--json") == 0
+    assert [entry["image"] for entry in json.loads(capsys.readouterr().out)] == [
+        str(images / "b.png"), str(images / "more" / "c.png"), str(images / "a.png")]
+
+
 def test_the_plain_output_is_one_line_per_image(logged_run, images, capsys):
     assert _predict(logged_run, str(images / "a.png"), "--topk", "2") == 0
     (line,) = capsys.readouterr().out.splitlines()
@@ -61,7 +70,7 @@ def test_no_readable_image_at_all_exits_1(logged_run, images, capsys):
 
 
 @pytest.mark.parametrize("given, message", [
-    ("empty", "directory '{root}/empty' holds no image files"),
+    ("empty", "directory '{root}/empty' holds no image files (none named *.png, *.jpg, *.jpeg, *.webp, ... under it)"),
     ("missing.png", "image '{root}/missing.png' does not exist"),
     ("pipe.png", "image '{root}/pipe.png' is a named pipe (FIFO), not an image file"),
     ("loop.png", "image '{root}/loop.png' is a symbolic link that loops, not an image file"),
@@ -75,9 +84,25 @@ def test_a_folder_without_images_or_a_missing_file_is_bad_input(logged_run, tmp_
     assert message.format(root=tmp_path) in capsys.readouterr().err
 
 
-def test_more_classes_than_the_model_has_is_bad_input(logged_run, images, capsys):
-    assert _predict(logged_run, str(images), "--topk", "11") == EXIT_INVALID_INPUT
-    assert "top-k 11: the model has 10 classes; give 1..10" in capsys.readouterr().err
+@pytest.mark.parametrize("topk", [0, 11])
+def test_a_topk_outside_one_to_the_class_count_is_bad_input(logged_run, images, capsys, topk):
+    assert _predict(logged_run, str(images), "--topk", str(topk)) == EXIT_INVALID_INPUT
+    assert f"top-k {topk}: the model has 10 classes; give 1..10" in capsys.readouterr().err
+
+
+def test_topk_one_gives_each_image_its_most_probable_class_alone(logged_run, images, capsys):
+    assert _predict(logged_run, str(images / "a.png"), "--topk", "1", "--json") == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert len(entry["labels"]) == len(entry["probabilities"]) == 1
+
+
+def test_a_model_without_class_names_labels_each_class_by_its_index():
+    card = ModelCard.of_run(load_config("smoke"), 10)  # a dataset whose sidecar names no classes
+    assert card.class_names is None
+    classifier = ImageClassifier(carded_smoke_model(10, seed=2), card, card.preprocessing)
+    (found,) = classifier.classify([np.zeros((16, 16, 3), np.uint8)], topk=10)
+    assert found.labels == tuple(str(index) for index in found.classes)
+    assert sorted(found.classes) == list(range(10))
 
 
 def test_a_missing_source_is_bad_input(tmp_path, images, capsys):

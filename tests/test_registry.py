@@ -151,6 +151,7 @@ def test_registering_checks_the_alias_itself_not_only_the_command_line(tmp_path,
     with pytest.raises(InvalidInputError, match="an alias of digits reads as a version number"):
         register_run(store, run_id, "family", "3")
     assert MlflowClient(store).search_registered_models() == []
+    assert register_run(store, run_id, "n" * 256).created  # the longest name MLflow's schema holds
 
 
 # -- sweeps --------------------------------------------------------------------------------------------
@@ -238,7 +239,9 @@ def test_names_mlflow_refuses_are_refused_before_anything_is_registered(logged_r
     before = MlflowClient(logged_run.uri).search_registered_models()
     assert _register(logged_run.uri, logged_run.model_uri, name, *(["--alias", alias] if alias else [])) == \
         EXIT_INVALID_INPUT
-    assert "cannot register as " in (err := capsys.readouterr().err) and message in err
+    refused = f"cannot register as {name!r}" + (f" with alias {alias!r}: " if alias else ": ")
+    assert (refused if len(name) <= 256 else "cannot register as a 257-character name") in (err := capsys.readouterr().err)
+    assert message in err
     assert MlflowClient(logged_run.uri).search_registered_models() == before
 
 
