@@ -79,7 +79,7 @@ test: setup browser-packages
 	if [ $$status -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 # Mutation testing of one core module against its fast unit tests (pyproject's [tool.mutmut]): every
-# mutant mutmut makes of MODULE, then the score and each survivor. Minutes to an hour on 2 cores; not CI.
+# mutant mutmut makes of MODULE, then the score and each survivor. Minutes to hours on 2 cores; not CI.
 MUTATION_MODULES := pipeline.components.metrics pipeline.components.losses pipeline.components.optim \
 	pipeline.components.checkpointing models.layers.mgcrp pipeline.data.rand_augment models.layers.svpn \
 	pipeline.sweeps.importance pipeline.sweeps.report pipeline.trained.transfer pipeline.trained.prediction \
