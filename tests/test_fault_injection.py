@@ -2,9 +2,10 @@
 reason, the console's last line says what happened, and nothing half-written is left to resume from.
 The finished run a refused re-run must leave alone is the suite's ZeRO-3 run with --verbose
 (``finished_run``, conftest): its final weights, gathered from both ranks, and its console are checked
-here too. A killed worker and then a killed driver share one run (``killed_and_rerun``): the group
-restarts from its checkpoint, then the driver's re-run continues the same MLflow run. (SIGTERM to a
-training driver: test_training's linear probe.)"""
+here too. Two killed workers share one run (``killed_and_rerun``): the group restarts from its
+checkpoint after the first (``run.max_failures=1``), the second fails the run with its reason, and the
+same command again continues the same MLflow run. (SIGTERM to a training driver: test_training's linear
+probe.)"""
 import json
 import re
 import shutil
@@ -81,21 +82,6 @@ def test_a_signal_while_a_sweep_starts_its_ray_exits_with_its_code_and_leaves_no
     wait_for(lambda: not sweep.processes(), 30, "every process the command started to end")
 
 
-def test_a_killed_worker_without_retries_ends_the_run_failed_with_the_reason(tmp_path, digits16):
-    storage = tmp_path / "runs"
-    driver = RunningVitsweep(train_command(storage, digits16, "run.name=lost-worker", "optim.epochs=30",
-                                           "run.max_failures=0"))
-    driver.wait_for_line("epoch 1/30")
-    killed = driver.train_workers()[-1]
-    killed.kill()
-    assert driver.finish(timeout=300) == 1, driver.output[-3000:]
-    # What happened, not what it caused: the gloo error of the rank that lost its peer is no reason.
-    reason = rf"error: worker rank [01] \(pid {killed.pid} on [\d.]+\) died: its worker process has died"
-    assert re.match(f"vitsweep train: {reason}", _last_line(driver.output)), driver.output[-3000:]
-    (run,) = _runs(storage)
-    assert run.info.status == "FAILED" and re.match(reason, run.data.tags["stop_reason"])
-
-
 def test_zero3_final_weights_gathered_from_both_ranks_score_the_runs_val_top1(finished_run, digits16):
     storage, _, _ = finished_run
     (run,) = _runs(storage)
@@ -148,10 +134,10 @@ def test_a_full_disk_ends_the_run_failed_and_leaves_no_half_written_checkpoint(s
 @dataclass(frozen=True)
 class KilledAndRerun:
     storage: Path
-    first_output: str  # the killed command's console
-    killed_worker: int  # its pid
-    epochs_before: list[int]  # the val_top1 steps MLflow held when the driver was killed
-    killed: Run  # the MLflow run as the kill left it
+    first_output: str  # the first command's console
+    killed_workers: tuple[int, int]  # their pids: the one the group restarted after, the one that failed the run
+    epochs_before: list[int]  # the val_top1 steps MLflow held when the run failed
+    failed: Run  # the MLflow run as the failure left it
     damaged: Path  # the newest registered checkpoint, truncated
     resume_epoch: int  # the epoch after the newest intact registered checkpoint's, counted from 1
     orphan: Path
@@ -166,29 +152,31 @@ class KilledAndRerun:
 
 @pytest.fixture(scope="module")
 def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
-    """One run through the faults that end a worker and then its driver: a worker SIGKILLed once the
-    first epoch's checkpoint was registered (the group restarts from it, ``run.max_failures=2``), then,
-    after the third epoch, the driver SIGKILLed, its newest checkpoint truncated (as a write cut short
-    leaves it) and an unregistered checkpoint directory added (as a kill mid-report leaves one), then the
-    same command again. Checkpoints are kept by ``run.checkpoint_score=lr``: the two best by the learning
-    rate, which the cosine schedule lowers every epoch (the oldest), and the latest."""
+    """One run through the faults that end its workers, then the same command again: a worker SIGKILLed
+    once the first epoch's checkpoint was registered (the group restarts from it, ``run.max_failures=1``),
+    then a worker of the restarted group once its first epoch is checkpointed (no retries left: the run
+    fails); then the newest checkpoint truncated (as a write cut short leaves it) and an unregistered
+    checkpoint directory added (as a kill mid-report leaves one), and the same command again. Checkpoints
+    are kept by ``run.checkpoint_score=lr``: the two best by the learning rate, which the cosine schedule
+    lowers every epoch (the oldest), and the latest. (Whole, this costs the suite one run less than a lost
+    worker's failure and a killed driver's re-run apart did: a group's restart is cheaper than a command's.)"""
     storage = tmp_path_factory.mktemp("killed") / "runs"
-    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4", "run.max_failures=2",
+    args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4", "run.max_failures=1",
                          "run.checkpoint_every=1", "run.num_to_keep=2", "run.checkpoint_score=lr")
     driver = RunningVitsweep(args)
     # The controller prints this once Ray has registered the checkpoint, so the restart must load it
     # (a checkpoint directory alone may not be registered yet, and the group would restart afresh).
     driver.wait_for_line("(checkpoint saved)")
-    victim = wait_for(driver.train_workers, 60, "the training workers")[-1]
-    victim.kill()
+    first = wait_for(driver.train_workers, 60, "the training workers")[-1]
+    first.kill()
     driver.wait_for_line("(resumed from a checkpoint)")  # the restarted group's first epoch, checkpointed
-    driver.process.kill()  # SIGKILL: no handler runs; the MLflow run is left RUNNING for a re-run to continue
-    driver.finish(timeout=60)
-    # Ray's fate-sharing ends the workers a moment later: until then one may still write a checkpoint
-    wait_for(lambda: not driver.processes(), 60, "every process the killed command started to end")
-    (killed,) = _runs(storage)
+    second = wait_for(driver.train_workers, 60, "the restarted group's workers")[-1]
+    second.kill()
+    assert driver.finish(timeout=300) == 1, driver.output[-3000:]
+    wait_for(lambda: not driver.processes(), 60, "every process the failed command started to end")
+    (failed,) = _runs(storage)
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
-    epochs_before = sorted(m.step for m in client.get_metric_history(killed.info.run_id, "val_top1"))
+    epochs_before = sorted(m.step for m in client.get_metric_history(failed.info.run_id, "val_top1"))
     # Ray's newest registered checkpoint: a kill during the next epoch's report may leave a newer
     # directory it never registered, which a resume never picks (the re-run removes it)
     newest = Path(Result.from_path(str(storage / "resumed")).checkpoint.path)
@@ -203,12 +191,12 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated mid-write
     result = run_vitsweep(args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return KilledAndRerun(storage, driver.output, victim.pid, epochs_before, killed, newest, max(intact) + 2, orphan,
-                          result)
+    return KilledAndRerun(storage, driver.output, (first.pid, second.pid), epochs_before, failed, newest,
+                          max(intact) + 2, orphan, result)
 
 
 def test_a_killed_worker_restarts_its_group_from_the_checkpoint_and_the_run_goes_on(killed_and_rerun):
-    assert not psutil.pid_exists(killed_and_rerun.killed_worker)
+    assert not psutil.pid_exists(killed_and_rerun.killed_workers[0])
     assert "(resumed from a checkpoint)" in killed_and_rerun.first_output, killed_and_rerun.first_output[-4000:]
     # each epoch trained (and logged) once: none repeated after the restart
     epochs = killed_and_rerun.epochs_before
@@ -218,12 +206,20 @@ def test_a_killed_worker_restarts_its_group_from_the_checkpoint_and_the_run_goes
     assert step == epoch >= 2  # the first epoch trained again, counted from 1
 
 
-def test_a_killed_drivers_rerun_finishes_its_run_and_leaves_no_unregistered_checkpoint(killed_and_rerun):
+def test_a_killed_worker_with_no_retries_left_ends_the_run_failed_with_the_reason(killed_and_rerun):
+    output, pid = killed_and_rerun.first_output, killed_and_rerun.killed_workers[1]
+    # What happened, not what it caused: the gloo error of the rank that lost its peer is no reason.
+    reason = rf"error: worker rank [01] \(pid {pid} on [\d.]+\) died: its worker process has died"
+    assert re.match(f"vitsweep train: {reason}", _last_line(output)), output[-3000:]
+    run = killed_and_rerun.failed
+    assert run.info.status == "FAILED" and re.match(reason, run.data.tags["stop_reason"])
+
+
+def test_a_failed_runs_command_again_finishes_its_run_and_leaves_no_unregistered_checkpoint(killed_and_rerun):
     storage, result = killed_and_rerun.storage, killed_and_rerun.rerun
-    assert killed_and_rerun.killed.info.status == "RUNNING"
     assert "(resumed from a checkpoint)" in result.stdout
     (run,) = _runs(storage)
-    assert run.info.run_id == killed_and_rerun.killed.info.run_id
+    assert run.info.run_id == killed_and_rerun.failed.info.run_id
     assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "completed"
     assert not killed_and_rerun.orphan.exists()
     assert unregistered_checkpoints(storage / "resumed") == []
@@ -242,7 +238,7 @@ def test_a_corrupt_latest_checkpoint_is_named_and_skipped_for_the_newest_intact_
     assert f"warning: checkpoint {killed_and_rerun.damaged} is corrupt" in killed_and_rerun.rerun.stdout
     # from the newest registered checkpoint before it (kept by its score, not necessarily the epoch before)
     assert killed_and_rerun.resumed_at()[-1][1] == killed_and_rerun.resume_epoch
-    assert len(killed_and_rerun.resumed_at()) == 2  # the worker's restart, then the re-run
+    assert len(killed_and_rerun.resumed_at()) == 2  # the group's restart, then the re-run
 
 
 def test_a_dataset_changed_after_its_sidecar_was_written_is_refused_before_ray_starts(tmp_path, digits16, capsys):

@@ -142,7 +142,7 @@ def test_checkpoint_loading_accepts_deepspeed_zero_optimizer_state(tmp_path):
 
 def test_a_lost_worker_is_the_failure_reason_not_the_broken_connection_it_left_on_the_other_rank():
     """Ray Train's own error types, shaped as it hands them over when rank 1's process is killed (the
-    end-to-end case: test_fault_injection.py::test_a_killed_worker_without_retries_...)."""
+    end-to-end case: test_fault_injection.py::test_a_killed_worker_with_no_retries_left_...)."""
     from ray.core.generated.common_pb2 import ActorDiedErrorContext
     from ray.exceptions import ActorDiedError
     from ray.train import WorkerGroupError
