@@ -64,6 +64,10 @@ INVALID = [
     ("zero_stage_4", ["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
     ("loss_spike_factor_not_above_1", ["run.loss_spike_factor=1"], "run.loss_spike_factor"),
     ("zero_max_loss_spikes", ["run.max_loss_spikes=0"], "run.max_loss_spikes"),
+    ("profile_of_zero_steps", ["run.profile=steps:0"], "run.profile"),
+    ("profile_by_epochs", ["run.profile=epochs:1"], "run.profile"),
+    ("profile_as_a_bare_number", ["run.profile=5"], "run.profile"),
+    ("profile_past_its_limit", ["run.profile=steps:21"], "run.profile"),
     ("fp16_on_cpu", ["deepspeed.precision=fp16"], "fp16"),
     ("offload_without_zero", ["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=true"], "offload_optimizer"),
     ("unknown_compile_backend", ["deepspeed.compile=true", "deepspeed.compile_backend=tvm"], "deepspeed.compile_backend"),
@@ -105,6 +109,15 @@ def test_invalid_value_error_shows_the_value_and_what_is_allowed():
         load_config("default", ["deepspeed.zero_stage=4"])
     message = str(err.value)
     assert "4" in message and "0, 1, 2 or 3" in message
+
+
+def test_a_profile_is_n_training_steps_and_a_bad_one_is_refused_saying_what_is_accepted():
+    assert load_config("default").run.profile_steps is None
+    assert load_config("default", ["run.profile=steps:1"]).run.profile_steps == 1
+    assert load_config("default", ["run.profile=steps:20"]).run.profile_steps == 20
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["run.profile=steps:-3"])
+    assert "steps:N" in str(err.value) and "1 to 20" in str(err.value)
 
 
 def test_unknown_key_error_suggests_the_close_valid_key():

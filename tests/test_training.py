@@ -1,6 +1,7 @@
 """`vitsweep train` end to end: Ray Train workers x DeepSpeed x FFCV, every run in MLflow. Two runs: the
 cluster job's engine with an EMA (``two_epoch_run``), then a linear probe of its EMA weights, stopped by
 SIGTERM once its first epoch is checkpointed (``stopped_linear_probe``)."""
+import json
 import os
 import re
 import signal
@@ -39,6 +40,7 @@ def _only_run(storage):
 # its rate per 512 images, DeiT's way: 1.6e-2 x a global batch of 64 (2 workers x 32) / 512 = 2e-3. The
 # other engines train end to end elsewhere: ZeRO-1 in fp32 (the smoke preset's, most runs), ZeRO-3
 # (``finished_run``, conftest, which keeps no EMA: test_distillation) and ZeRO-0 (test_cluster_growing_sweep's TPE sweep).
+# It also profiles two steps (``run.profile``).
 EFFECTIVE_LR, GLOBAL_BATCH, RATE_KEY, RATE = 2e-3, 64, "optim.lr_per_512", 1.6e-2
 
 
@@ -49,6 +51,7 @@ def two_epoch_run(tmp_path_factory):
     result = run_vitsweep(train_command(
         storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{RATE_KEY}={RATE}",
         "deepspeed.zero_stage=2", "deepspeed.precision=bf16", "optim.ema_decay=0.9", "data.prepare=digits",
+        "run.profile=steps:2",
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
@@ -104,6 +107,24 @@ def test_a_finished_run_asked_for_with_another_config_is_refused_naming_the_keys
     assert f"{key}: {rate} -> {rate * 2}" in err and "model.args.depth: 2 -> 3" in err
     _, run = _only_run(storage)
     assert run.data.params[key] == str(rate) and run.info.status == "FINISHED"
+
+
+def test_its_profile_is_a_chrome_trace_of_the_two_steps_asked_with_the_engines_forward_backward_and_update(
+        two_epoch_run):
+    storage, _ = two_epoch_run
+    client, run = _only_run(storage)
+    assert run.data.params["run.profile"] == "steps:2"
+    directory = Path(client.download_artifacts(run.info.run_id, "profile", str(storage / "downloaded")))
+    assert sorted(path.name for path in directory.iterdir()) == ["rank0_ops.txt", "rank0_trace.json"]  # CPU: no
+    events = json.loads((directory / "rank0_trace.json").read_text())["traceEvents"]  # memory snapshot
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#")]
+    assert len(spans) == 2, spans  # the command's third and fourth steps
+    for start, end in spans:
+        ops = {e["name"] for e in events if e.get("ph") == "X" and start <= e["ts"] <= end}
+        assert {"aten::conv2d", "aten::linear", "aten::softmax"} <= ops, sorted(ops)  # the XCiT forward
+        assert any(op.startswith("autograd::engine::evaluate_function: AddmmBackward") for op in ops)  # backward
+        assert any(op.startswith("Optimizer.step#") for op in ops), sorted(ops)  # DeepSpeed's update
 
 
 HEALTH = ("loss", "loss_max", "grad_norm", "grad_clipped_share", "data_wait_share", "data_wait_share_max",

@@ -380,6 +380,20 @@ class TrackingConfig(_Section):
         return uri
 
 
+# A trace holds every op with its shapes and memory events: a ZeRO-2 step of the smoke model on CPU is
+# ~23 MB of JSON (DeepSpeed's per-parameter copies); past a few hundred MB, Perfetto in a browser tab struggles.
+MAX_PROFILED_STEPS = 20
+
+
+def profiled_steps(spec: str) -> int:
+    """N of a ``run.profile`` spec ``steps:N``; a ValueError saying what is accepted."""
+    kind, _, count = spec.partition(":")
+    if kind != "steps" or not count.isdigit() or not 1 <= int(count) <= MAX_PROFILED_STEPS:
+        raise ValueError(f"{spec!r} is not a profile: give steps:N, N training steps to trace on rank 0 "
+                         f"(1 to {MAX_PROFILED_STEPS}; e.g. steps:5), or null for none")
+    return int(count)
+
+
 class RunConfig(_Section):
     """Identity, storage, checkpointing and fault tolerance of one training run."""
 
@@ -398,8 +412,23 @@ class RunConfig(_Section):
     # diverged (null: never).
     loss_spike_factor: float = Field(5.0, gt=1.0)
     max_loss_spikes: int | None = Field(None, ge=1)
+    # steps:N: a torch profiler trace of N training steps on rank 0 (pipeline.components.profiling),
+    # logged as the run's profile/ artifacts. null: no profiler.
+    profile: str | None = None
 
     _usable_storage = field_validator("storage_path")(_check_directory)
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_spec(cls, spec: Any) -> Any:
+        if spec is not None:  # `--set run.profile=5` reads as a number: said the same way as any other spec
+            profiled_steps(spec if isinstance(spec, str) else str(spec))
+        return spec
+
+    @property
+    def profile_steps(self) -> int | None:
+        """The training steps ``run.profile`` asks to trace, or None."""
+        return None if self.profile is None else profiled_steps(self.profile)
 
 
 class TuneConfig(_Section):

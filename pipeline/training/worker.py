@@ -37,12 +37,14 @@ from pipeline.components.losses import build_training_loss
 from pipeline.components.metrics import validation_metrics
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
+from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.tracking.step_metrics import StepMetricsLog
 from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights,
     train_head_only)
 
 
+PROFILE_ARTIFACTS = "profile"  # the run's artifact folder for run.profile's trace
 MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
 
 
@@ -161,6 +163,9 @@ class Trainer:
         self.loss_spikes = LossSpikes(cfg.run.loss_spike_factor)
         self.deepspeed_grad_norm = computes_grad_norm(self.engine)
         self.step_metrics = StepMetricsLog(self.plan.tracking_uri, self.plan.mlflow_run_id) if self.rank == 0 else None
+        self.profiler = (StepProfiler(cfg.run.profile_steps, self.device,
+                                      lambda files: self.step_metrics.log_files(files, PROFILE_ARTIFACTS))
+                         if self.rank == 0 and cfg.run.profile_steps else None)
 
         self.start_epoch = self.resume()
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
@@ -216,6 +221,8 @@ class Trainer:
         try:
             self.train_epochs()
         finally:
+            if self.profiler is not None:
+                self.end_profile()
             if self.step_metrics is not None:
                 self.step_metrics.close()
             self.stop_monitoring()
@@ -281,6 +288,8 @@ class Trainer:
         if self.ema is not None and self.engine.was_step_applied():
             self.ema.update(self.engine.module, step=self.engine.global_steps)
         self.health.add_step(loss.detach().float(), grad_norm)
+        if self.profiler is not None:
+            self.profiler.step()
 
     def log_health(self, step: int) -> float:
         """The window since the last logging step over all ranks (one collective, which also carries a
@@ -308,6 +317,15 @@ class Trainer:
                 f"({count}{'' if run.max_loss_spikes is None else f' of {run.max_loss_spikes}'})")
         if run.max_loss_spikes is not None and count >= run.max_loss_spikes:
             raise LossDiverged(step, f"{count} loss spikes over {run.loss_spike_factor:g}x the running median")
+
+    def end_profile(self) -> None:
+        """A run that ended before its profile's last step says what the trace holds."""
+        traced, asked = self.profiler.finish(), self.cfg.run.profile_steps
+        if traced == asked:
+            return
+        (say if self.plan.announce else print)(
+            f"profile: the trace holds {traced} of the {asked} steps asked; the run ended before the rest"
+            if traced else f"profile: no trace; the run ended before step {FIRST_TRACED_STEP}, the first one traced")
 
     def show_progress(self, epoch: int, done: int, steps: int, stats: EpochStats, seconds: float) -> None:
         if self.rank != 0 or not self.plan.announce:
