@@ -7,13 +7,17 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
 from conftest import DIGITS
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
-from pipeline.components.model_card import ModelCard
+from pipeline.components.model_card import EvalPreprocessing, ModelCard
+from pipeline.components.modeling import build_model
 from pipeline.config.loading import load_config
+from pipeline.errors import InvalidInputError
+from pipeline.trained.model_source import ModelSource, Provenance
 from pipeline.trained.prediction import ImageClassifier
 
 
@@ -103,6 +107,36 @@ def test_a_model_without_class_names_labels_each_class_by_its_index():
     (found,) = classifier.classify([np.zeros((16, 16, 3), np.uint8)], topk=10)
     assert found.labels == tuple(str(index) for index in found.classes)
     assert sorted(found.classes) == list(range(10))
+
+
+def _source(card: ModelCard, seed: int = 3) -> ModelSource:
+    torch.manual_seed(seed)
+    weights = build_model(card.model, card.num_classes).state_dict()
+    return ModelSource(weights, card, Provenance(given="model.safetensors", kind="safetensors", location="model.safetensors"))
+
+
+VIT = ["model.name=vit_mini_p4", "model.args={depth: 1, embed_dim: 40, num_heads: 4}"]
+
+
+def test_a_classifier_at_another_size_builds_its_model_at_that_size_and_refuses_where_the_weights_cannot_go():
+    at_32 = EvalPreprocessing(img_size=32, crop_ratio=1.0, mean=(0.5,) * 3, std=(0.5,) * 3)
+    xcit = ImageClassifier.of(_source(ModelCard.of_run(load_config("smoke"), 10)), at_32)
+    assert xcit.model.patch_embed.img_size == (32, 32)  # XCiT's Fourier encoding: the same weights at any grid
+    assert len(xcit.classify([np.zeros((32, 32, 3), np.uint8)])) == 1
+    vit = _source(ModelCard.of_run(load_config("smoke", VIT), 10))
+    assert ImageClassifier.of(vit).model.pos_embed.shape[1] == (16 // 4) ** 2 + 1  # the card's 16 px, patch 4
+    with pytest.raises(InvalidInputError, match=r"at img_size 32 \(trained at 16\)"):
+        ImageClassifier.of(vit, at_32)  # a learned position embedding of a 4x4 grid, not of 8x8
+
+
+def test_a_source_whose_card_does_not_say_how_it_was_evaluated_needs_the_preprocessing_given():
+    card = ModelCard.of_run(load_config("smoke"), 10).model_copy(update={"preprocessing": None})
+    with pytest.raises(InvalidInputError) as refused:
+        ImageClassifier.of(_source(card))
+    assert str(refused.value) == ("model source 'model.safetensors' does not record how it was evaluated (a checkpoint "
+                                  "older than model cards); give the preprocessing")
+    given = EvalPreprocessing(img_size=16, crop_ratio=0.5, mean=(0.1,) * 3, std=(0.2,) * 3)
+    assert ImageClassifier.of(_source(card), given).preprocessing == given
 
 
 def test_a_missing_source_is_bad_input(tmp_path, images, capsys):
