@@ -14,6 +14,11 @@ from pipeline.components.profiling import OPS_FILE, TRACE_FILE, StepProfiler
 FIRST_TRACED_STEP = 3  # the documented start: the command's first step and one of warm-up are left out
 
 
+@pytest.fixture(autouse=True)
+def _kinetos_log_level_restored(monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)  # a CPU profiler quiets kineto in its process
+
+
 def _train(steps: int, profiler: StepProfiler) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))

@@ -9,6 +9,7 @@ directory holding them, once, when the last step is recorded or the run ends bef
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,8 @@ TRACE_FILE = "rank0_trace.json"
 OPS_FILE = "rank0_ops.txt"
 MEMORY_SNAPSHOT_FILE = "rank0_memory_snapshot.pickle"
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept: the snapshot's ring buffer
+# Kineto's log level above its ERROR: on a CPU-only process it logs "gpuGetDeviceCount failed" as an error.
+QUIET_KINETO = "5"
 
 
 class StepProfiler:
@@ -31,6 +34,8 @@ class StepProfiler:
     def __init__(self, steps: int, device: torch.device, on_ready: Callable[[Path], None]):
         self.steps, self.on_ready = steps, on_ready
         self.gpu = device.type == "cuda"
+        if not self.gpu:  # read when the profiler first starts in this process
+            os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
         self.total_calls = SKIPPED_STEPS + WARMUP_STEPS + steps
         self.calls = 0
         self.running, self.written = True, False
