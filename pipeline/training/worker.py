@@ -279,7 +279,7 @@ class Trainer:
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward, backward, optimizer step (at accumulation boundaries), EMA; the step's loss and
-        gradient norm go to this rank's health window."""
+        gradient norm go to this rank's health window, and the step to the profiler where one runs."""
         images, targets = self.augment(images, labels)
         loss = self.loss(self.engine(images.to(self.input_dtype)), targets, images)
         self.engine.backward(loss)
