@@ -39,6 +39,12 @@ def counted(number: float, unit: str) -> str:
     return f"{number:g} {unit}{'' if number == 1 else 's'}"
 
 
+def duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour."""
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
+
+
 def say(text: str) -> None:
     """Print one of vitsweep's own lines from inside a Ray process (controller, worker)."""
     for line in text.splitlines():

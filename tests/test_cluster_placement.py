@@ -25,6 +25,7 @@ def test_without_a_node_cache_dir_staging_falls_back_under_run_storage(monkeypat
 
 @pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
 def test_the_placement_strategy_reaches_rays_scaling_config(strategy, tmp_path):
+    from pipeline.training.cost import RunCost
     from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
     from pipeline.tracking.store import MlflowRun
 
@@ -32,7 +33,7 @@ def test_the_placement_strategy_reaches_rays_scaling_config(strategy, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10), "placed",
                      str(tmp_path), uri)
-    trainer = build_trainer(run, MlflowRun(uri, "run-id"), launched_at=0.0)
+    trainer = build_trainer(run, MlflowRun(uri, "run-id"), 0.0, RunCost.begin(cfg, {}))
     assert trainer.scaling_config.placement_strategy == strategy
 
 

@@ -225,6 +225,24 @@ def test_a_failed_runs_command_again_finishes_its_run_and_leaves_no_unregistered
     assert unregistered_checkpoints(storage / "resumed") == []
 
 
+def test_the_runs_spend_counts_its_restarted_group_and_its_re_run(killed_and_rerun):
+    """2 workers x 1 CPU (the smoke preset's): CPU-core-hours are twice the wall hours, bounded by what
+    MLflow's own timestamps and the epochs' times say, each attempt apart."""
+    storage, failed = killed_and_rerun.storage, killed_and_rerun.failed
+    (run,) = _runs(storage)
+    client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
+    first = failed.data.metrics["cost/accelerator_hours"]  # the failed command's whole attempt
+    epochs = client.get_metric_history(run.info.run_id, "epoch_time_s")
+    before = sorted((m for m in epochs if m.timestamp <= failed.info.end_time), key=lambda m: m.timestamp)
+    after = [m for m in epochs if m.timestamp > failed.info.end_time]
+    # from its first epoch's start to its last epoch's end, the group's restart between: all paid for
+    paid_at_least = (before[-1].timestamp - before[0].timestamp) / 1000 + before[0].value
+    assert 2 * paid_at_least / 3600 < first < 2 * (failed.info.end_time - failed.info.start_time) / 3.6e6
+    rerun = run.data.metrics["cost/accelerator_hours"] - first  # what the same command again added
+    assert 2 * sum(m.value for m in after) / 3600 < rerun < 2 * (run.info.end_time - failed.info.end_time) / 3.6e6
+    assert run.data.metrics["cost/wall_hours"] == pytest.approx(run.data.metrics["cost/accelerator_hours"] / 2)
+
+
 def test_the_checkpoints_kept_are_the_best_by_the_checkpoint_score_and_the_latest(killed_and_rerun):
     storage = killed_and_rerun.storage
     (run,) = _runs(storage)

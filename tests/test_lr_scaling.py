@@ -115,11 +115,12 @@ def test_every_worker_is_handed_the_rate_of_the_global_batch_not_of_its_own(tmp_
     """The driver decides the rate once (what MLflow records as optim.lr_effective) and hands it to the
     workers in their plan: each worker's own micro batch would give a quarter of it on 4 workers."""
     from pipeline.tracking.store import MlflowRun
+    from pipeline.training.cost import RunCost
     from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
 
     cfg = _config(4, 32, 2, "linear")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10), "rated",
                      str(tmp_path), uri)
-    plan = build_trainer(run, MlflowRun(uri, "run-id"), launched_at=0.0).train_loop_config
+    plan = build_trainer(run, MlflowRun(uri, "run-id"), 0.0, RunCost.begin(cfg, {})).train_loop_config
     assert plan["lr"] == pytest.approx(5e-4 * (32 * 2 * 4) / 512)  # by hand: DeiT's rule on 256 images

@@ -42,6 +42,7 @@ def _only_run(storage):
 # (``finished_run``, conftest, which keeps no EMA: test_distillation) and ZeRO-0 (test_cluster_growing_sweep's TPE sweep).
 # It also profiles two steps (``run.profile``).
 EFFECTIVE_LR, GLOBAL_BATCH, RATE_KEY, RATE = 2e-3, 64, "optim.lr_per_512", 1.6e-2
+TARGET = 15  # val_top1 (%): 1.5x chance, which the run reaches within its two epochs
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def two_epoch_run(tmp_path_factory):
     result = run_vitsweep(train_command(
         storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{RATE_KEY}={RATE}",
         "deepspeed.zero_stage=2", "deepspeed.precision=bf16", "optim.ema_decay=0.9", "data.prepare=digits",
-        "run.profile=steps:2",
+        "run.profile=steps:2", f"run.target_metric=val_top1>={TARGET}",
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
@@ -78,7 +79,8 @@ def test_the_console_carries_only_vitsweeps_own_lines_and_the_log_file_the_rest(
     console = result.stdout + result.stderr
     assert not [noise for noise in LIBRARY_NOISE if noise in console], console[-3000:]
     assert not result.stderr  # MLflow's "Creating initial MLflow database tables..." for this new store included
-    assert all(line.startswith(("writing the offline digits", "training e2e", "epoch ", "finished e2e", "  "))
+    assert all(line.startswith(("writing the offline digits", "training e2e", "epoch ", "reached val_top1", "finished e2e",
+                                "  "))
                or not line.strip()
                for line in result.stdout.splitlines()), result.stdout
     log = (storage / "e2e" / "vitsweep.log").read_text()
@@ -159,6 +161,24 @@ def test_the_run_holds_each_health_metric_at_every_logging_step_on_the_optimizer
     assert set(history["data_wait_slowest_rank"].values()) <= {0.0, 1.0}
     assert set(history["peak_memory_rank"].values()) <= {0.0, 1.0}
     assert all(0.1 < gib < 24 for gib in history["peak_memory_gib"].values())  # a worker's resident set, in GiB
+
+
+def test_the_first_epoch_that_reaches_the_target_records_the_time_and_the_spend_it_took(two_epoch_run):
+    storage, result = two_epoch_run
+    client, run = _only_run(storage)
+    top1 = sorted(client.get_metric_history(run.info.run_id, "val_top1"), key=lambda m: m.step)
+    reached = [m for m in top1 if m.value >= TARGET]
+    assert reached, [m.value for m in top1]
+    epoch, metrics = reached[0].step, run.data.metrics
+    assert metrics["cost/target_epoch"] == epoch
+    # no less than its epochs took, no more than from the run's creation to the epoch's record (MLflow's clock)
+    took = sum(m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s") if m.step <= epoch)
+    assert took / 3600 < metrics["cost/wall_hours_to_target"] < (reached[0].timestamp - run.info.start_time) / 3.6e6
+    # 2 workers x 1 CPU: two CPU-core-hours an hour
+    assert metrics["cost/accelerator_hours_to_target"] == pytest.approx(2 * metrics["cost/wall_hours_to_target"])
+    assert f"reached val_top1>={TARGET} at epoch {epoch}, after 0:" in result.stdout
+    assert run.data.tags["cost.unit"] == "CPU-core-hours"
+    assert metrics["cost/accelerator_hours"] < 2 * (run.info.end_time - run.info.start_time) / 3.6e6
 
 
 def test_the_run_records_the_rate_it_trained_at_beside_the_knob_given_and_prints_it(two_epoch_run):

@@ -12,6 +12,8 @@ from pipeline.components.checkpointing import weights_only_checkpoint_engine
 from pipeline.console import MARK
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY
 from pipeline.tracking.store import MlflowStore
+from pipeline.config.loading import load_config
+from pipeline.training.cost import RunCost
 from pipeline.training.epoch_logger import MLflowEpochLogger
 
 
@@ -96,13 +98,14 @@ def test_a_diverged_report_marks_where_the_loss_diverged_and_logs_no_step(tmp_pa
     ``vitsweep train``'s exit 1 and last line, the full-disk and lost-worker runs (test_fault_injection)."""
     store = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db")
     run = store.create_run("vitsweep", "diverge")
-    MLflowEpochLogger(run, epochs=3).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 1, "step": 4, "rank": 0}], None)
+    cost = RunCost.begin(load_config("smoke"), {})
+    MLflowEpochLogger(run, 3, cost).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 1, "step": 4, "rank": 0}], None)
     assert run.diverged_at() == "epoch 1 step 4"
     assert MARK + "loss diverged at epoch 1 step 4: stopping" in capsys.readouterr().out
     assert not store.client.get_metric_history(run.run_id, "epochs_trained")  # no result logged as an epoch
 
     spiked = store.create_run("vitsweep", "spikes")  # stopped by run.max_loss_spikes: where, and why
-    MLflowEpochLogger(spiked, epochs=3).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 2, "step": 7, "rank": 0,
+    MLflowEpochLogger(spiked, 3, cost).after_report(None, [{DIVERGED_KEY: 1.0, "epoch": 2, "step": 7, "rank": 0,
                                                            DIVERGED_CAUSE_KEY: "3 loss spikes over 5x the running median"}], None)
     assert spiked.diverged_at() == "epoch 2 step 7 (3 loss spikes over 5x the running median)"
 

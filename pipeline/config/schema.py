@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from pipeline import uris
+from pipeline.config.specs import MetricTarget, profiled_steps
 from pipeline.uris import location_problem, uri_password_problem
 
 # The largest integer any config value may hold: torch, numpy, numba (ffcv's loaders) and Optuna
@@ -380,20 +381,6 @@ class TrackingConfig(_Section):
         return uri
 
 
-# A trace holds every op with its shapes and memory events: a ZeRO-2 step of the smoke model on CPU is
-# ~23 MB of JSON (DeepSpeed's per-parameter copies); past a few hundred MB, Perfetto in a browser tab struggles.
-MAX_PROFILED_STEPS = 20
-
-
-def profiled_steps(spec: str) -> int:
-    """N of a ``run.profile`` spec ``steps:N``; a ValueError saying what is accepted."""
-    kind, _, count = spec.partition(":")
-    if kind != "steps" or not count.isdigit() or not 1 <= int(count) <= MAX_PROFILED_STEPS:
-        raise ValueError(f"{spec!r} is not a profile: give steps:N, N training steps to trace on rank 0 "
-                         f"(1 to {MAX_PROFILED_STEPS}; e.g. steps:5), or null for none")
-    return int(count)
-
-
 class RunConfig(_Section):
     """Identity, storage, checkpointing and fault tolerance of one training run."""
 
@@ -415,8 +402,22 @@ class RunConfig(_Section):
     # steps:N: a torch profiler trace of N training steps on rank 0 (pipeline.components.profiling),
     # logged as the run's profile/ artifacts. null: no profiler.
     profile: str | None = None
+    # METRIC>=VALUE or METRIC<=VALUE (e.g. val_top1>=75): the first epoch that reaches it logs the wall
+    # time and accelerator-hours it took (pipeline.training.cost). null: no target.
+    target_metric: str | None = None
 
     _usable_storage = field_validator("storage_path")(_check_directory)
+
+    @field_validator("target_metric", mode="before")
+    @classmethod
+    def _target_spec(cls, spec: Any) -> Any:
+        if spec is not None:
+            MetricTarget.parse(str(spec))
+        return spec
+
+    @property
+    def target(self) -> MetricTarget | None:
+        return None if self.target_metric is None else MetricTarget.parse(self.target_metric)
 
     @field_validator("profile", mode="before")
     @classmethod
@@ -452,6 +453,10 @@ class TuneConfig(_Section):
     # CPUs held by each trial's function beside its workers; unused where the head offers trial slots
     trial_cpus: float = Field(1.0, gt=0.0)
     seed: int | None = Field(None, ge=0)  # sampling seed; default: run.seed
+    # Accelerator-hours (GPU-hours; CPU-core-hours on CPU) the sweep may spend: once its trials' spend
+    # reaches it, no further trial starts, the running ones finish, and the sweep ends resumable
+    # (`vitsweep tune --resume DIR --set tune.budget_hours=MORE`). null: no budget.
+    budget_hours: float | None = Field(None, gt=0.0)
 
     _usable_storage = field_validator("storage_path")(_check_directory)
 
@@ -515,6 +520,15 @@ class ExperimentConfig(_Section):
                 f"scaling.num_workers={self.scaling.num_workers}: use data.order='random' (with data.os_cache=true "
                 "on a node-local copy) or scaling.num_workers=1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _target_is_reported(self) -> ExperimentConfig:
+        target = self.run.target
+        if target is not None and target.metric.endswith("_ema") and self.optim.ema_decay is None:
+            raise ValueError(f"run.target_metric={self.run.target_metric!r} names the EMA's {target.metric}, but "
+                             "optim.ema_decay is null (no EMA); set optim.ema_decay or target "
+                             f"{target.metric.removesuffix('_ema')}")
         return self
 
     @model_validator(mode="after")

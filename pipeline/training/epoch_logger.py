@@ -9,16 +9,18 @@ from ray.train import UserCallback
 from pipeline.console import say, say_epoch_end
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY
 from pipeline.tracking.store import MlflowRun
+from pipeline.training.cost import TARGET_EPOCH, RunCost
 
 class MLflowEpochLogger(UserCallback):
-    """Ray Train callback (runs in the controller, on the driver's node): one MLflow step per epoch.
+    """Ray Train callback (runs in the controller, on the driver's node): one MLflow step per epoch,
+    with the run's cost so far beside it (``pipeline.training.cost``).
 
     Workers report already all-reduced metrics, so rank 0's dict is the run's.
     """
 
-    def __init__(self, run: MlflowRun, epochs: int, announce: bool = True):
+    def __init__(self, run: MlflowRun, epochs: int, cost: RunCost, announce: bool = True):
         """``announce``: print the epoch line on the console (a sweep shows its own table instead)."""
-        self.run, self.epochs, self.announce = run, epochs, announce
+        self.run, self.epochs, self.cost, self.announce = run, epochs, cost, announce
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         reported = metrics[0]
@@ -29,9 +31,11 @@ class MLflowEpochLogger(UserCallback):
             self.run.mark_diverged(where)
             show(f"loss diverged at {where}: stopping")
             return
-        self.run.log_epoch(reported)
+        cost = self.cost.at_epoch(reported)
+        self.run.log_epoch({**reported, **cost})
         epoch = int(reported["epoch"])
-        (partial(say_epoch_end, epoch) if self.announce else print)(
+        show_epoch = partial(say_epoch_end, epoch) if self.announce else print
+        show_epoch(
             f"epoch {epoch}/{self.epochs}  train_loss {reported['train_loss']:.4f}  "
             f"val_loss {reported['val_loss']:.4f}  val_top1 {reported['val_top1']:.2f}%  "
             f"val_top5 {reported['val_top5']:.2f}%  lr {reported['lr']:.2e}  "
@@ -39,3 +43,5 @@ class MLflowEpochLogger(UserCallback):
             + ("  (checkpoint saved)" if checkpoint is not None else "")
             + ("  (resumed from a checkpoint)" if "resumed_at_epoch" in reported else "")
         )
+        if TARGET_EPOCH in cost:  # beside the epoch's line, in its order
+            show_epoch(self.cost.describe_target_reached(cost))

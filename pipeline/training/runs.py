@@ -52,6 +52,7 @@ from pipeline.trained.serving import log_model
 from pipeline.components.lr_scaling import describe_lr, effective_lr, recorded_params
 from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
+from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG, RunCost, cost_unit
 from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
 from pipeline.tracking.connection import (check_logger_can_reach, is_new_local_store, require_reachable,
@@ -286,6 +287,7 @@ def environment_tags(cfg: ExperimentConfig) -> dict[str, str]:
         "ray_version": version("ray"),
         "python_version": platform.python_version(),
         "accelerator": "cuda" if cfg.scaling.use_gpu else "cpu",
+        UNIT_TAG: cost_unit(cfg),
         "world_size": str(cfg.scaling.num_workers),
         **git_provenance(),
     }
@@ -357,10 +359,11 @@ def _shortened(text: str, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit - 40].rsplit(", ", 1)[0] + f", ... (see {PLAN_ARTIFACT})"
 
 
-def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, callbacks: tuple = (),
+def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, cost: RunCost, callbacks: tuple = (),
                   announce: bool = True) -> TorchTrainer:
-    """The Ray Train TorchTrainer of one run; ``callbacks`` adds e.g. Tune's report callback;
-    ``announce``: epoch and progress lines on the console (a sweep shows its own table instead)."""
+    """The Ray Train TorchTrainer of one run; ``cost``: this attempt's spend, logged with each epoch;
+    ``callbacks`` adds e.g. Tune's report callback; ``announce``: epoch and progress lines on the console
+    (a sweep shows its own table instead)."""
     cfg = run.cfg
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
@@ -386,10 +389,31 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, ca
                 checkpoint_score_attribute=score,
                 checkpoint_score_order="min" if score.endswith("loss") else "max",
             ),
-            callbacks=[MLflowEpochLogger(mlflow_run, cfg.optim.epochs, announce), *callbacks],
+            callbacks=[MLflowEpochLogger(mlflow_run, cfg.optim.epochs, cost, announce), *callbacks],
             worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},
         ),
     )
+
+
+def begin_attempt(run: CheckedRun, mlflow_run: MlflowRun) -> RunCost:
+    """This attempt's spend from now, on top of what the run's earlier attempts recorded."""
+    return RunCost.begin(run.cfg, mlflow_run.get().data.metrics)
+
+
+def fit_counting_cost(trainer: TorchTrainer, mlflow_run: MlflowRun, cost: RunCost) -> Result:
+    """``trainer.fit()``; however it ends, the attempt's spend is logged at its last epoch's step, so
+    the run's latest ``cost/*`` values are its whole spend."""
+    try:
+        if threading.current_thread() is threading.main_thread():
+            return fit_interruptibly(trainer)
+        return trainer.fit()  # a sweep trial: Tune owns the signals
+    finally:
+        try:
+            history = mlflow_run.metric_history(ACCELERATOR_HOURS)
+            mlflow_run.log_metrics(cost.so_far(), step=max((m.step for m in history), default=0))
+        except Exception as err:  # noqa: BLE001  (a store that cannot be written: the run's own error matters more)
+            print(f"vitsweep: could not record the spend of MLflow run {mlflow_run.run_id}: {error_line(err)}",
+                  file=sys.stderr, flush=True)
 
 
 def fit_interruptibly(trainer: TorchTrainer) -> Result:
@@ -450,18 +474,17 @@ def record_interrupt(mlflow_run: MlflowRun, stop: Interrupted) -> None:
                     "from its last checkpoint")
 
 
-def fit_and_record(trainer: TorchTrainer, run: CheckedRun, mlflow_run: MlflowRun, record_failure: bool = True) -> Result:
-    """Run the trainer; the MLflow run ends FINISHED (with the final model), FAILED or KILLED, with its reason.
+def fit_and_record(trainer: TorchTrainer, run: CheckedRun, mlflow_run: MlflowRun, cost: RunCost,
+                   record_failure: bool = True) -> Result:
+    """Run the trainer (``build_trainer``'s, with the same ``cost``); the MLflow run ends FINISHED (with
+    the final model), FAILED or KILLED, with its reason and its spend.
 
     ``record_failure=False`` leaves a run whose ``fit()`` raised RUNNING for the caller to record:
     a sweep trial may have been stopped on purpose by its scheduler, which only the sweep knows.
     """
     remove_unregistered_checkpoints(run)
     try:
-        if threading.current_thread() is threading.main_thread():
-            result = fit_interruptibly(trainer)
-        else:  # a sweep trial: Tune owns the signals
-            result = trainer.fit()
+        result = fit_counting_cost(trainer, mlflow_run, cost)
     except Interrupted as stop:
         record_interrupt(mlflow_run, stop)
         raise
@@ -503,6 +526,7 @@ def log_final_model(run: CheckedRun, result: Result, mlflow_run: MlflowRun) -> N
 
 def launch(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float) -> TrainingOutcome:
     """Train a checked run whose MLflow run is open: build the trainer, fit, record."""
-    result = fit_and_record(build_trainer(run, mlflow_run, launched_at), run, mlflow_run)
+    cost = begin_attempt(run, mlflow_run)
+    result = fit_and_record(build_trainer(run, mlflow_run, launched_at, cost), run, mlflow_run, cost)
     return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, mlflow_run.get().info.experiment_id,
                            mlflow_run.run_id, dict(result.metrics))

@@ -23,7 +23,7 @@ import torch
 from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
     save_final_weights, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
-from pipeline.console import say, say_progress
+from pipeline.console import duration, say, say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
 from pipeline.data.runtime import quiet_numba_finalizers
@@ -83,11 +83,6 @@ class EpochStats:
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / max(self.steps, 1)
-
-
-def _duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
 
 
 class LossDiverged(Exception):
@@ -333,7 +328,7 @@ class Trainer:
         eta = seconds / done * (steps - done)
         say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  "
                                 f"loss {stats.mean_loss:.4f}  {stats.samples / max(seconds, 1e-9):.0f} img/s  "
-                                f"eta {_duration(eta)}")
+                                f"eta {duration(eta)}")
 
     def evaluate(self, with_ema: bool = True) -> dict[str, float]:
         metrics = validation_metrics(self.engine, self.val_loader, self.input_dtype, self.device)
