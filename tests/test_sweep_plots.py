@@ -3,8 +3,9 @@ import itertools
 
 import pytest
 
-from pipeline.sweeps.plots import cost_figure, knob_figure, pareto_front, plot_sweep
+from pipeline.sweeps.plots import cost_figure, knob_figure, plot_sweep, spend_figure
 from pipeline.sweeps.report import TrialRow
+from pipeline.sweeps.spend import pareto_front, sweep_spend
 
 
 def _row(i: int, knobs: dict, top1: float, params_m: float = 1.0, gflops: float = 0.01,
@@ -124,3 +125,21 @@ def test_cost_tick_labels_never_overlap_on_an_axis_that_varies_by_just_over_one_
             for i in range(5)]
     fig = cost_figure(rows, "val_top1", "max")
     assert len(fig.axes) == 2 and not overlapping_labels(fig)
+
+
+def test_the_spend_figure_draws_every_trial_that_spent_and_names_the_front_cheapest_first(tmp_path):
+    rows = [TrialRow(f"t{i}", f"r{i}", state, "", {"optim.lr": lr}, 2, {"val_top1": top1}, 1.0, 0.01,
+                     accelerator_hours=hours, cost_unit="GPU-hours")
+            for i, (state, lr, top1, hours) in enumerate([("completed", 1e-3, 80.0, 2.0), ("completed", 2e-3, 70.0, 1.0),
+                                                          ("completed", 3e-3, 75.0, 3.0), ("early_stopped", 4e-3, 20.0, 0.5)])]
+    spend = sweep_spend(rows, "val_top1", "max", rows[0])
+    fig = spend_figure(rows, "val_top1", spend)
+    ax = fig.axes[0]
+    drawn = sorted(tuple(point) for collection in ax.collections for point in collection.get_offsets())
+    assert drawn == [(0.5, 20.0), (1.0, 70.0), (2.0, 80.0), (3.0, 75.0)]
+    assert [text.get_text() for text in ax.texts] == ["t1", "t0"]  # t2 costs more than t0 for less
+    assert "Pareto front" in _legend(ax) and ax.get_xlabel() == "GPU-hours spent"
+    assert ax.get_title() == "6.5 GPU-hours in all; the best trial alone 2"
+    assert not overlapping_labels(fig)
+    written = plot_sweep(rows, "val_top1", "max", tmp_path, log_keys={"optim.lr"}, spend=spend)
+    assert "val_top1_vs_accelerator_hours.png" in [p.name for p in written]

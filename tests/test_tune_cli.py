@@ -106,6 +106,27 @@ def test_resume_takes_nothing_but_the_sweep_directory(tmp_path, capsys):
     assert "drop --space" in capsys.readouterr().err
 
 
+def test_resume_changes_nothing_but_the_budget(tmp_path, capsys):
+    assert main(["tune", "--resume", str(tmp_path), "--set", "tune.budget_hours=2", "--set", "optim.lr=1"]) \
+        == EXIT_INVALID_INPUT
+    assert "drop --set optim.lr=1 (only --set tune.budget_hours=HOURS may change)" in capsys.readouterr().err
+
+
+def test_a_bad_budget_given_on_resume_exits_2_and_leaves_the_sweeps_record_as_it_was(tmp_path, capsys, digits16):
+    from pipeline.sweeps.runner import prepare_sweep
+
+    sweep = prepare_sweep("smoke", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                    f"data.val={digits16['val']}", "data.prepare=null", "tune.name=budgeted",
+                                    "tune.scheduler=fifo", "tune.budget_hours=0.5"], ["lr_wd"])
+    record = tmp_path / "budgeted" / RECORD_NAME
+    record.parent.mkdir()
+    record.write_text(sweep.record())
+    written = record.read_bytes()
+    assert main(["tune", "--resume", str(record.parent), "--set", "tune.budget_hours=-1"]) == EXIT_INVALID_INPUT
+    assert "tune.budget_hours = -1: Input should be greater than 0" in capsys.readouterr().err
+    assert record.read_bytes() == written and sorted(record.parent.iterdir()) == [record]
+
+
 def test_resume_of_a_directory_without_a_sweep_exits_2(tmp_path, capsys):
     assert main(["tune", "--resume", str(tmp_path)]) == EXIT_INVALID_INPUT
     assert "no sweep there" in capsys.readouterr().err
@@ -123,12 +144,15 @@ def _fake_sweep(storage) -> MlflowClient:
     client.log_batch(parent, params=[Param("tune.metric", "val_top1"), Param("tune.mode", "max"),
                                      Param("space", "lr"), Param("tune.searcher", "grid"),
                                      Param("tune.scheduler", "asha")])
-    trials = [("t_00000", 2e-3, [60.0, 85.0], "completed"), ("t_00001", 1e-7, [8.0], "early_stopped: ASHA stopped it"),
-              ("t_00002", 1e-3, [55.0, 80.0], "completed")]
-    for trial_id, lr, curve, reason in trials:
+    trials = [("t_00000", 2e-3, [60.0, 85.0], "completed", 0.03),
+              ("t_00001", 1e-7, [8.0], "early_stopped: ASHA stopped it", 0.01),
+              ("t_00002", 1e-3, [55.0, 80.0], "completed", 0.02)]
+    for trial_id, lr, curve, reason, spent in trials:
         run = client.create_run(experiment, run_name=trial_id, tags={
-            PARENT_TAG: parent, TRIAL_TAG: trial_id, KNOBS_TAG: json.dumps({"optim.lr": lr}), STOP_REASON_TAG: reason})
-        client.log_batch(run.info.run_id, metrics=[Metric("val_top1", v, 0, step) for step, v in enumerate(curve)],
+            PARENT_TAG: parent, TRIAL_TAG: trial_id, KNOBS_TAG: json.dumps({"optim.lr": lr}), STOP_REASON_TAG: reason,
+            "cost.unit": "CPU-core-hours"})
+        client.log_batch(run.info.run_id, metrics=[Metric("val_top1", v, 0, step) for step, v in enumerate(curve)]
+                         + [Metric("cost/accelerator_hours", spent, 0, len(curve) - 1)],
                          params=[Param("model_facts.params", "904000"), Param("model_facts.gflops", "0.003")])
         client.set_terminated(run.info.run_id, "FINISHED")
     client.log_text(parent, json.dumps([{"knobs": {"optim.lr": 5.0}, "reason": "too big"}]), "pruned.json")
@@ -144,6 +168,21 @@ def test_compare_prints_the_sweep_table_best_first(tmp_path, capsys):
     rows = [line.split()[:5] for line in lines[3:7]]
     assert rows == [["t_00000", "completed", "0.002", "2", "85"], ["t_00002", "completed", "0.001", "2", "80"],
                     ["t_00001", "early_stopped", "1e-07", "1", "8"], ["-", "pruned", "5", "0", "too"]]
+
+
+def test_compare_prints_what_the_sweep_spent_its_best_trial_alone_and_the_cheapest_for_their_result(tmp_path, capsys):
+    _fake_sweep(tmp_path)
+    assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
+    spend = capsys.readouterr().out.split("\n\n")[1]
+    # by hand: 0.03 + 0.02 completed, 0.01 stopped early; t_00002 (80 at 0.02) is cheapest, t_00000 (85) better
+    assert spend.splitlines() == [
+        "spend: 0.06 CPU-core-hours in all (completed 0.05, early stopped 0.01); 1 pruned sample spent nothing",
+        "  the best trial, t_00000, alone: 0.03 CPU-core-hours",
+        "  cheapest for their val_top1 (Pareto front over CPU-core-hours): t_00002 val_top1 80 at 0.02; "
+        "t_00000 val_top1 85 at 0.03"]
+    # the README shows this sweep's spend as `vitsweep compare` prints it
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"```\n{spend.strip()}\n```" in readme
 
 
 def test_compare_csv_has_one_row_per_trial_and_pruned_sample(tmp_path, capsys):
@@ -169,7 +208,7 @@ def test_compare_prints_which_knob_mattered_under_the_table(tmp_path, capsys):
     assert main(["compare", "vitsweep", "--set", f"run.storage_path={tmp_path}"]) == EXIT_OK
     out = capsys.readouterr().out
     table, importances = out.split("\n\nknob importance for val_top1 (fANOVA over 9 configurations; shares sum to 1):\n")
-    assert len(table.splitlines()) == 1 + 2 + 9
+    assert len(table.split("\n\n")[0].splitlines()) == 1 + 2 + 9
     assert [line.split()[0] for line in importances.splitlines()] == ["code_size", "lr"]
     # the README shows this sweep's importances as `vitsweep compare` prints them
     readme = (Path(__file__).parents[1] / "README.md").read_text()

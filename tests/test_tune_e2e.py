@@ -1,6 +1,7 @@
 """`vitsweep tune` end to end on 2 cores, one sweep: ASHA stops a bad trial, a diverging trial fails alone,
-the driver killed during the last trial resumes without re-running finished trials, and MLflow holds one
-parent with a child per trial. (A TPE sweep: test_cluster_growing_sweep.)"""
+the driver killed during the last trial resumes without re-running finished trials, first under a budget
+its trials have already spent (it starts nothing and stops, resumable), then with a larger one, and MLflow
+holds one parent with a child per trial, each with what it spent. (A TPE sweep: test_cluster_growing_sweep.)"""
 import contextlib
 import csv
 import io
@@ -26,6 +27,7 @@ from pipeline.sweeps.runner import TRIAL_RUNS_DIR
 pytestmark = pytest.mark.slow
 
 EPOCH_METRICS = {"train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_sec", "epoch_time_s"}
+BUDGET = 1e-4  # CPU-core-hours, 0.36 s of a CPU: the three trials before the kill spent far more
 
 
 def _runs(storage):
@@ -95,17 +97,20 @@ def _kill_tree(process: subprocess.Popen) -> None:
 @dataclass(frozen=True)
 class KilledAndResumedSweep:
     """One sweep through everything that ends a trial: completed, stopped by ASHA, diverged, and
-    interrupted by a killed driver, then resumed with `vitsweep tune --resume`."""
+    interrupted by a killed driver; then `vitsweep tune --resume` under a budget already spent, which
+    stops it again at once, and `--resume` with a larger budget, which completes it."""
     storage: Path
     killed: RunningVitsweep  # the first command, its console with each line's arrival time
     processes: dict[int, Lifetime]  # the Ray processes it started, by pid
     before: dict  # the trials' MLflow runs as the kill left them, by trial id
     history: dict  # their val_top1 (step, timestamp) pairs then
-    resumed: subprocess.CompletedProcess
+    over_budget: subprocess.CompletedProcess  # `--resume --set tune.budget_hours=BUDGET`
+    at_budget: tuple  # (the parent run, the trials' runs by trial id) as it left them
+    resumed: subprocess.CompletedProcess  # `--resume --set tune.budget_hours=10`
 
     @property
     def consoles(self) -> str:
-        return self.killed.output + self.resumed.stdout + self.resumed.stderr
+        return self.killed.output + self.over_budget.stdout + self.resumed.stdout + self.resumed.stderr
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +136,18 @@ def asha_sweep(tmp_path_factory, digits16) -> KilledAndResumedSweep:
     _, _, before = _runs(storage)
     history = {t: [(m.step, m.timestamp) for m in _client(storage).get_metric_history(r.info.run_id, "val_top1")]
                for t, r in before.items()}
-    resumed = run_vitsweep([VITSWEEP, "tune", "--resume", str(storage / "asha")], timeout=1200)
+    over_budget = run_vitsweep([VITSWEEP, "tune", "--resume", str(storage / "asha"), "--set",
+                                f"tune.budget_hours={BUDGET}"], timeout=600)
+    assert over_budget.returncode == 0, over_budget.stdout[-4000:] + over_budget.stderr[-4000:]
+    _, (parent,), children = _runs(storage)
+    resumed = run_vitsweep([VITSWEEP, "tune", "--resume", str(storage / "asha"), "--set", "tune.budget_hours=10"],
+                           timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     # no trial may fail but the diverging one: each test below would only see its missing records, not why
     errors = {trial_id: run.data.tags["stop_reason"] for trial_id, run in _runs(storage)[2].items()
               if run.data.tags["stop_reason"].startswith("error")}
     assert not errors, errors
-    return KilledAndResumedSweep(storage, sweep, processes, before, history, resumed)
+    return KilledAndResumedSweep(storage, sweep, processes, before, history, over_budget, (parent, children), resumed)
 
 
 def _client(storage):
@@ -297,8 +307,9 @@ def test_parent_holds_the_results_table_and_plots(asha_sweep):
     run_id = parent.info.run_id
     assert {"results.csv", "space.yaml", "base_config.yaml", "summary.html"} <= {
         a.path for a in client.list_artifacts(run_id)}
-    # every trial has the same size: the rate plot, and no cost plot
-    assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/val_top1_vs_lr_per_512.png"}
+    # every trial has the same size: the rate plot, no size plot, and the spend's
+    assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/val_top1_vs_lr_per_512.png",
+                                                                         "plots/val_top1_vs_accelerator_hours.png"}
     rows = list(csv.DictReader(io.StringIO(_download(client, run_id, "results.csv", storage))))
     assert {row["trial"] for row in rows} == set(children)
     assert sorted(row["state"] for row in rows) == ["completed", "completed", "diverged", "early_stopped"]
@@ -368,3 +379,73 @@ def test_diverging_trial_fails_alone_and_mlflow_marks_it_failed(asha_sweep):
     assert diverged.data.tags["stop_reason"].startswith("diverged: loss diverged at epoch 1 step")
     assert all(r.info.status == "FINISHED" for r in children.values() if r is not diverged)
     assert parent.data.tags["trials_diverged"] == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# What the sweep spent, and its budget
+# --------------------------------------------------------------------------------------------------
+
+def _spend(run) -> float:
+    return run.data.metrics["cost/accelerator_hours"]
+
+
+def test_each_trial_records_what_it_spent_counting_the_killed_trials_two_attempts(asha_sweep):
+    client, _, children = _runs(asha_sweep.storage)
+    for trial_id, run in children.items():
+        # 1 worker x 1 CPU: no less than its epochs took, no more than from its run's creation to its spend's
+        # last record (a trial ASHA stops ends in Tune, which ends its run, before its workers have stopped)
+        epochs = sum(m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s"))
+        recorded = max(m.timestamp for m in client.get_metric_history(run.info.run_id, "cost/accelerator_hours"))
+        assert epochs / 3600 < _spend(run) < (recorded - run.info.start_time) / 3.6e6, trial_id
+        assert run.data.tags["cost.unit"] == "CPU-core-hours"
+    (continued,) = [t for t, r in children.items() if _lr(r) == 1e-3]
+    killed = asha_sweep.before[continued]
+    # what its first attempt had recorded when the driver was killed, and then its resumed attempt's
+    assert killed.data.metrics["cost/accelerator_hours"] > 0
+    epoch_2 = client.get_metric_history(children[continued].info.run_id, "epoch_time_s")[-1].value
+    assert _spend(children[continued]) > killed.data.metrics["cost/accelerator_hours"] + epoch_2 / 3600
+
+
+def test_the_sweep_records_its_trials_spend_summed_its_best_trials_and_the_cheapest_for_their_result(asha_sweep):
+    storage, result = asha_sweep.storage, asha_sweep.resumed
+    client, (parent,), children = _runs(storage)
+    best = children[parent.data.tags["best_trial_id"]]
+    assert parent.data.metrics["cost/accelerator_hours"] == pytest.approx(sum(_spend(r) for r in children.values()))
+    assert parent.data.metrics["cost/best_trial_accelerator_hours"] == pytest.approx(_spend(best))
+    # the Pareto front of the two completed trials, by hand: the cheaper, and the dearer if it scored higher
+    cheaper, dearer = sorted((r for r in children.values() if r.data.tags["stop_reason"] == "completed"), key=_spend)
+    front = [cheaper] + ([dearer] if dearer.data.metrics["val_top1"] > cheaper.data.metrics["val_top1"] else [])
+    listed = re.search(r"^  cheapest for their val_top1 \(Pareto front over CPU-core-hours\): (.*)$", result.stdout, re.M)
+    assert [part.split()[0] for part in listed[1].split("; ")] == [r.data.tags["trial_id"] for r in front]
+    assert re.search(r"^spend: [\d.e-]+ CPU-core-hours in all \(completed [\d.e-]+, diverged [\d.e-]+, "
+                     r"early stopped [\d.e-]+\)$", result.stdout, re.M), result.stdout[-3000:]
+    assert f"the best trial, {best.data.tags['trial_id']}, alone: " in result.stdout
+    assert re.search(r"^trial +state +lr_per_512 +.* +CPU_core_hours +reason", result.stdout, re.M)
+    summary = _download(client, parent.info.run_id, "summary.html", storage)
+    assert "<h2>What it cost (CPU-core-hours)</h2>" in summary and "Pareto front over CPU-core-hours" in summary
+
+
+def test_a_resume_under_a_budget_already_spent_starts_no_trial_and_stops_resumable_saying_why(asha_sweep):
+    storage, result = asha_sweep.storage, asha_sweep.over_budget
+    parent, children = asha_sweep.at_budget
+    assert not _trial_started(result.stdout), result.stdout[-3000:]
+    reason = parent.data.tags["stop_reason"]
+    said = re.fullmatch(rf"budget: the trials spent ([\d.e-]+) CPU-core-hours of tune.budget_hours={BUDGET:g}; "
+                        rf"1 trial not started; continue with: vitsweep tune --resume {re.escape(str(storage / 'asha'))} "
+                        r"--set tune.budget_hours=MORE", reason)
+    assert said, reason
+    assert float(said[1]) == pytest.approx(sum(_spend(r) for r in children.values()), rel=1e-3)  # as recorded, summed
+    assert parent.info.status == "KILLED"
+    assert "sweep asha (stopped at its budget)" in result.stdout
+    assert f"vitsweep tune: stopped at its budget: {reason.partition(': ')[2]}" in result.stdout
+    # the killed driver's trial, whose run it had left RUNNING, waits for the next resume as KILLED
+    (waiting,) = [r for r in children.values() if _lr(r) == 1e-3]
+    assert waiting.info.status == "KILLED" and waiting.data.tags["stop_reason"].startswith("interrupted")
+
+
+def test_a_larger_budget_given_on_resume_runs_the_rest_and_is_what_the_sweep_records(asha_sweep):
+    storage = asha_sweep.storage
+    _, (parent,), _ = _runs(storage)
+    assert parent.data.tags["stop_reason"] == "completed" and parent.data.tags["tune.budget_hours"] == "10.0"
+    assert json.loads((storage / "asha" / "vitsweep_sweep.json").read_text())["base_config"]["tune"]["budget_hours"] == 10
+    assert "tune.budget_hours" not in parent.data.params  # it may change: a tag

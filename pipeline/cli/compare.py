@@ -11,11 +11,13 @@ from pipeline.errors import InvalidInputError
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "compare", help="Print a sweep's results table and which knob mattered, from MLflow.",
+        "compare", help="Print a sweep's results table, what it spent and which knob mattered, from MLflow.",
         description="The table `vitsweep tune` records as the parent run's results.csv, read live from MLflow "
-                    "(so a running sweep shows its progress), then each searched knob's importance for the "
-                    "sweep's metric (fANOVA over the completed trials, seeds averaged). The store is the config's: "
-                    "tracking.mlflow_uri, MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db.",
+                    "(so a running sweep shows its progress), with each trial's accelerator-hours; what the sweep "
+                    "spent, its best trial alone, and the trials cheapest for their result (the Pareto front); then "
+                    "each searched knob's importance for the sweep's metric (fANOVA over the completed trials, seeds "
+                    "averaged). The store is the config's: tracking.mlflow_uri, MLFLOW_TRACKING_URI, or "
+                    "run.storage_path/mlflow.db.",
     )
     parser.add_argument("experiment", metavar="EXPERIMENT", help="MLflow experiment name (tracking.experiment)")
     parser.add_argument("--sweep", default=None, metavar="NAME",
@@ -40,6 +42,7 @@ def _record(parent) -> dict:
 def _run(args: argparse.Namespace) -> int:
     from pipeline.config.loading import load_config
     from pipeline.sweeps import report
+    from pipeline.sweeps.spend import format_spend, sweep_spend
     from pipeline.sweeps.importance import format_importance, knob_importance
     from pipeline.sweeps.spaces import spaces_from_record
     from pipeline.sweeps.tracking import ROLE_TAG
@@ -88,6 +91,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\nper configuration, over seeds (completed trials):\n{report.format_seed_table(rows, metric, mode)}\n"
               "\nper trial:")
     print(report.format_table(rows, metric, mode))
+    print(f"\n{format_spend(sweep_spend(rows, metric, mode, report.best_row(trials, metric, mode)), metric)}")
+    plotted = f"plots/{metric}_vs_accelerator_hours.png"
+    if plotted in {item.path for item in parent.client.list_artifacts(parent.run_id, "plots")}:
+        print(f"  {metric} against the spend, the Pareto front drawn: {plotted} on the sweep's parent run "
+              f"{parent.run_id} (and in its summary.html)")
     if "spaces" in record:  # the knobs as searched: which was a choice, a range, a log range
         space = spaces_from_record([tuple(part) for part in record["spaces"]])
         print(f"\n{format_importance(knob_importance(trials, metric, space.dims, params.get('tune.searcher')))}")

@@ -27,7 +27,8 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--resume", metavar="SWEEP_DIR", default=None,
         help="continue an interrupted sweep from its directory (printed when it started); finished trials are "
-             "not run again",
+             "not run again. With it, --set takes only tune.budget_hours (a sweep stopped at its budget goes on "
+             "with a larger one)",
     )
     parser.add_argument(
         "--register", default=None, metavar="NAME",
@@ -49,7 +50,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.trained.registry import check_registry_names, register_run
-    from pipeline.sweeps.runner import load_sweep, prepare_sweep, run_sweep
+    from pipeline.sweeps.runner import BUDGET_KEY, load_sweep, prepare_sweep, run_sweep
+    from pipeline.sweeps.spend import format_spend
     from pipeline.sweeps.importance import format_importance
     from pipeline.sweeps.summary import SUMMARY_NAME
     from pipeline.tracking.connection import check_logger_can_reach
@@ -60,18 +62,20 @@ def _sweep(args: argparse.Namespace, console) -> int:
     if args.register:
         check_registry_names(args.register, args.alias)
     if args.resume:
-        given = [flag for flag, value in (("--space", args.spaces), ("--config", args.config),
-                                          ("--set", args.overrides)) if value]
+        given = [flag for flag, value in (("--space", args.spaces), ("--config", args.config)) if value]
+        given += [f"--set {override}" for override in args.overrides if not override.startswith(f"{BUDGET_KEY}=")]
         if given:
-            raise InvalidInputError(f"--resume continues the sweep exactly as it started; drop {', '.join(given)}")
-        sweep = load_sweep(args.resume)
+            raise InvalidInputError(f"--resume continues the sweep exactly as it started; drop {', '.join(given)} "
+                                    f"(only --set {BUDGET_KEY}=HOURS may change)")
+        sweep = load_sweep(args.resume, args.overrides)
     else:
         sweep = prepare_sweep(args.config, args.overrides, args.spaces)
     check_logger_can_reach(sweep.tracking_uri, args.address)
     outcome = run_sweep(sweep, address=args.address, resume=bool(args.resume))
 
-    console.line(f"\nsweep {outcome.name} ({'interrupted' if outcome.interrupted else 'finished'}):\n{outcome.table}\n\n"
-                 f"{format_importance(outcome.knob_importance)}")
+    ended = "stopped at its budget" if outcome.stopped_at_budget else "interrupted" if outcome.interrupted else "finished"
+    console.line(f"\nsweep {outcome.name} ({ended}):\n{outcome.table}\n\n"
+                 f"{format_importance(outcome.knob_importance)}\n\n{format_spend(outcome.spend, sweep.cfg.tune.metric)}")
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
         console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
@@ -81,7 +85,9 @@ def _sweep(args: argparse.Namespace, console) -> int:
                  + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view)
                  + f"\n  the sweep's result on one page: "
                  f"{ui_link(ui_server(outcome.tracking_uri), outcome.experiment_id, outcome.parent_run_id, artifact=SUMMARY_NAME)}")
-    if outcome.interrupted:
+    if outcome.stopped_at_budget:  # as asked: the best of what the budget bought stands, and may be registered
+        console.line(f"vitsweep tune: stopped at its budget: {outcome.stop_reason.partition(': ')[2]}")
+    elif outcome.interrupted:
         print(f"vitsweep tune: interrupted; continue with: vitsweep tune --resume {outcome.directory}", file=sys.stderr)
         return 1
     if outcome.best is None:

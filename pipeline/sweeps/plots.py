@@ -5,6 +5,7 @@
 - the metric against parameters and GFLOPs with the Pareto front of the completed trials, for each
   cost that really varies: values within ``SAME_COST`` of each other are one level (svPN variants 14
   parameters apart are one model size, not a trade-off), and a front needs two levels;
+- the metric against the accelerator-hours each trial spent, with the Pareto front (``spend``);
 - each knob's importance (``importance``) as bars.
 
 Every figure is built by its own function and checked after drawing: x tick labels that would
@@ -26,21 +27,12 @@ from matplotlib.figure import Figure  # noqa: E402
 from pipeline.sweeps.importance import KnobImportance  # noqa: E402
 from pipeline.sweeps.report import SEED_KEY, SeedGroup, TrialRow, cell, has_seeds, knob_keys, seed_groups  # noqa: E402
 from pipeline.sweeps.spaces import short_keys  # noqa: E402
+from pipeline.sweeps.spend import SweepSpend, pareto_front  # noqa: E402
 from pipeline.sweeps.tracking import COMPLETED, EARLY_STOPPED  # noqa: E402
 
 SAME_COST = 0.01  # costs within 1 % of the largest are one level: not a trade-off to draw
 COSTS = (("params_m", "parameters (M)", "params"), ("gflops", "GFLOPs", "gflops"))
 DPI = 120
-
-
-def pareto_front(points: list[tuple[float, float]], mode: str) -> list[tuple[float, float]]:
-    """(cost, metric) points no other point beats with less or equal cost, sorted by cost."""
-    better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)  # noqa: E731
-    front: list[tuple[float, float]] = []
-    for cost, value in sorted(points, key=lambda p: (p[0], -p[1] if mode == "max" else p[1])):
-        if not front or better(value, front[-1][1]):
-            front.append((cost, value))
-    return front
 
 
 def cost_levels(costs: list[float]) -> list[list[float]]:
@@ -148,6 +140,27 @@ def cost_figure(rows: list[TrialRow], metric: str, mode: str) -> Figure | None:
     return _laid_out(fig)
 
 
+def spend_figure(rows: list[TrialRow], metric: str, spend: SweepSpend) -> Figure | None:
+    """The metric against the accelerator-hours each trial spent, the Pareto front's trials named;
+    None when no trial has both."""
+    measured = [r for r in rows if r.accelerator_hours is not None and not math.isnan(r.value(metric))]
+    if not measured:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _scatter_states(ax, [(r.accelerator_hours, r.value(metric), r.state) for r in measured])
+    if spend.front:
+        ax.step([r.accelerator_hours for r in spend.front], [r.value(metric) for r in spend.front], where="post",
+                color="C3", label="Pareto front")
+        for row in spend.front:
+            ax.annotate(row.trial_id, (row.accelerator_hours, row.value(metric)), textcoords="offset points",
+                        xytext=(4, 4), fontsize="small")
+    ax.ticklabel_format(axis="x", useOffset=False)
+    _label_metric_axes(ax, f"{spend.unit} spent", metric)
+    ax.set_title(f"{cell(spend.total)} {spend.unit} in all; the best trial alone "
+                 f"{cell(spend.best.accelerator_hours) if spend.best else '-'}", fontsize="medium")
+    return _laid_out(fig)
+
+
 def _span(values: list[float]) -> str:
     low, high = cell(min(values)), cell(max(values))
     return low if low == high else f"{low} to {high}"
@@ -207,8 +220,9 @@ def save(fig: Figure, path: Path) -> Path:
 
 
 def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, log_keys: set[str],
-               discrete_keys: set[str] = frozenset()) -> list[Path]:
-    """Each knob's figure (seeds summarised, not plotted as a knob), then the costs' figure."""
+               discrete_keys: set[str] = frozenset(), spend: SweepSpend | None = None) -> list[Path]:
+    """Each knob's figure (seeds summarised, not plotted as a knob), then the costs' figure, then the
+    spend's (``spend``: the sweep's)."""
     directory.mkdir(parents=True, exist_ok=True)
     scored = [r for r in rows if not math.isnan(r.value(metric))]
     groups = seed_groups(scored) if has_seeds(scored) else []
@@ -223,4 +237,7 @@ def plot_sweep(rows: list[TrialRow], metric: str, mode: str, directory: Path, lo
     if costs is not None:
         shown = "_and_".join(name for _, _, name in split_costs(scored)[0])
         written.append(save(costs, directory / f"{metric}_vs_{shown}.png"))
+    spent = spend_figure(scored, metric, spend) if spend is not None else None
+    if spent is not None:
+        written.append(save(spent, directory / f"{metric}_vs_accelerator_hours.png"))
     return written

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
+from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import COMPLETED, KNOBS_TAG, PRUNED, STOP_REASON_TAG, TRIAL_TAG, child_runs
 from pipeline.tracking.store import MlflowRun
@@ -32,6 +33,8 @@ class TrialRow:
     params_m: float | None
     gflops: float | None
     lr_effective: float | None = None  # the peak rate it trained at (its per-batch rate scaled to its batch)
+    accelerator_hours: float | None = None  # what it spent (pipeline.training.cost); None: it never trained
+    cost_unit: str = ""  # GPU-hours or CPU-core-hours
 
     def value(self, metric: str) -> float:
         return self.metrics.get(metric, math.nan)
@@ -57,6 +60,7 @@ def sweep_rows(parent: MlflowRun, metric: str) -> list[TrialRow]:
             metrics={k: v for k, v in run.data.metrics.items() if k in REPORTED},
             params_m=params_count / 1e6 if params_count is not None else None,
             gflops=_float(params.get("model_facts.gflops")), lr_effective=_float(params.get(EFFECTIVE_LR_PARAM)),
+            accelerator_hours=run.data.metrics.get(ACCELERATOR_HOURS), cost_unit=tags.get(UNIT_TAG, ""),
         ))
     return rows
 
@@ -96,18 +100,24 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def spend_column(rows: list[TrialRow]) -> str:
+    """The table's column of what each trial spent, named by its unit: ``CPU_core_hours``, ``GPU_hours``."""
+    units = {row.cost_unit for row in rows if row.cost_unit}
+    return (units.pop() if len(units) == 1 else "accelerator-hours").replace("-", "_")
+
+
 def table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list[list[str]]]:
     keys = knob_keys(rows)
     # A searched per-batch rate or batch: the rate each trial trained at, beside its knobs.
     rates = ["lr_effective"] if set(keys) & set(RATE_INPUTS) else []
     header = ["trial", "state", *short_keys(keys).values(), *rates, "epochs", metric,
-              *[m for m in REPORTED if m != metric], "params_M", "gflops", "reason", "mlflow_run"]
+              *[m for m in REPORTED if m != metric], "params_M", "gflops", spend_column(rows), "reason", "mlflow_run"]
     body = []
     for row in ranked(rows, metric, mode):
         body.append([row.trial_id or "-", row.state, *[cell(row.knobs.get(k)) for k in keys],
                      *[cell(row.lr_effective) for _ in rates], str(row.epochs),
                      cell(row.value(metric)), *[cell(row.value(m)) for m in REPORTED if m != metric],
-                     cell(row.params_m), cell(row.gflops), row.reason, row.run_id])
+                     cell(row.params_m), cell(row.gflops), cell(row.accelerator_hours), row.reason, row.run_id])
     return header, body
 
 

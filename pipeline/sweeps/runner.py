@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +23,6 @@ from typing import Any
 import optuna
 import ray
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 
 from pipeline import interrupts, uris
@@ -34,21 +34,25 @@ from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.training.locations import check_can_create, run_directories
 from pipeline.training.runs import ResolvedData, resolve_data
-from pipeline.sweeps import importance, plots, report, summary, view
+from pipeline.sweeps import importance, plots, report, spend, summary, view
+from pipeline.sweeps.budget import BUDGET, BudgetedASHAScheduler, BudgetedFIFOScheduler, SweepBudget, recorded_budget
 from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
                                        growth_notice, local_ray_cpus, start_timeout_s)
-from pipeline.sweeps.tracking import (EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
+from pipeline.sweeps.tracking import (COMPLETED, EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
-from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, run_origin
+from pipeline.tracking.store import STOP_REASON_TAG, MlflowRun, MlflowStore, command_line, run_origin
+from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG, cost_unit
 from pipeline.tracking.connection import require_reachable, resolve_tracking_uri
 from pipeline.trained.transfer import SWEEP_SOURCES, save_source, sweep_source_location
 
 RECORD_NAME = "vitsweep_sweep.json"
 PRUNED_NAME = "pruned.json"  # on the parent run: every pruned sample with its reason
+BUDGET_KEY = "tune.budget_hours"  # the one setting --resume may change
+BEST_TRIAL_HOURS = "cost/best_trial_accelerator_hours"  # beside the parent's cost/accelerator_hours, the sweep's
 TRIAL_RUNS_DIR = "trial_runs"
 DEFAULT_RANDOM_SAMPLES = 10
 
@@ -150,20 +154,21 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
     return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created, sources=sources)
 
 
-def load_sweep(sweep_dir: str) -> Sweep:
-    """An interrupted sweep, from its record (``--resume``)."""
+def load_sweep(sweep_dir: str, overrides: list[str] = ()) -> Sweep:
+    """An interrupted sweep, from its record (``--resume``); ``overrides``: ``tune.budget_hours=HOURS``
+    at most (a sweep stopped at its budget goes on with more), validated as any config is."""
     text = uris.read_bytes(uris.join(uris.absolute(sweep_dir), RECORD_NAME))
     if text is None:
         raise InvalidInputError(f"--resume {sweep_dir}: no sweep there (no {RECORD_NAME}); give the sweep directory "
                                 "that `vitsweep tune` printed when it started")
     record = json.loads(text.decode())
     space = spaces_from_record([tuple(part) for part in record["spaces"]])
-    cfg = validate(record["base_config"])
+    cfg = validate(apply_overrides(record["base_config"], list(overrides)))
     check_can_create(run_directories(cfg, sweep=True))
     data = resolve_data(cfg)  # the datasets must still be there, unchanged
     plan = TrialPlan(record["variants"], record["pruned"], record["checked"])
-    return Sweep(record["name"], record["root"], space, record["base_config"], plan, data, record["tracking_uri"],
-                 record["parent_run_id"], record["created"])
+    return Sweep(record["name"], record["root"], space, cfg.model_dump(mode="json"), plan, data,
+                 record["tracking_uri"], record["parent_run_id"], record["created"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,13 +179,15 @@ def trial_name(trial) -> str:
     return trial.trial_id
 
 
-def _scheduler(cfg: ExperimentConfig):
+def _scheduler(cfg: ExperimentConfig, budget: SweepBudget):
+    """FIFO or ASHA, starting no trial once ``budget`` is spent (``pipeline.sweeps.budget``)."""
     if cfg.tune.scheduler == "fifo":
-        return FIFOScheduler()
+        return BudgetedFIFOScheduler(budget)
     # Rungs end before the last epoch and trials past the last rung are never stopped, so a trial
     # that trains every epoch always finishes its own run (final model, FINISHED) before it ends.
-    return ASHAScheduler(time_attr=EPOCHS_DONE, max_t=cfg.optim.epochs - 1, grace_period=cfg.tune.grace_period,
-                         reduction_factor=cfg.tune.reduction_factor, brackets=1, stop_last_trials=False)
+    return BudgetedASHAScheduler(budget, time_attr=EPOCHS_DONE, max_t=cfg.optim.epochs - 1,
+                                 grace_period=cfg.tune.grace_period, reduction_factor=cfg.tune.reduction_factor,
+                                 brackets=1, stop_last_trials=False)
 
 
 def _trainable(sweep: Sweep, need: TrialResources):
@@ -203,11 +210,12 @@ def _tuner(sweep: Sweep, max_concurrent: int, need: TrialResources, local: bool)
         search_alg, num_samples = None, 1
     # a local Ray fits a trial (checked) and never grows: only a cluster's growth has a deadline
     growth = [] if local else [ClusterGrowthDeadline(start_timeout_s(), need.describe(cfg))]
+    budget = SweepBudget(sweep.tracking_uri, sweep.parent_run_id, sweep.record_path, cost_unit(cfg))
     return tune.Tuner(
         _trainable(sweep, need),
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=cfg.tune.metric, mode=cfg.tune.mode, search_alg=search_alg, scheduler=_scheduler(cfg),
+            metric=cfg.tune.metric, mode=cfg.tune.mode, search_alg=search_alg, scheduler=_scheduler(cfg, budget),
             num_samples=num_samples, max_concurrent_trials=max_concurrent,
             trial_name_creator=trial_name, trial_dirname_creator=trial_name,
             # A trial's process takes the next trial (its imports done): a stopped trial's function ends
@@ -219,7 +227,7 @@ def _tuner(sweep: Sweep, max_concurrent: int, need: TrialResources, local: bool)
             failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
             callbacks=[TrialRecorder(sweep.tracking_uri, cfg.tracking.experiment, sweep.parent_run_id,
                                      cfg.optim.epochs, cfg.tune.scheduler),
-                       SweepTable(cfg.tune.metric, cfg.optim.epochs), *growth],
+                       SweepTable(cfg.tune.metric, cfg.optim.epochs), budget, *growth],
         ),
     )
 
@@ -232,15 +240,22 @@ class SweepOutcome:
     experiment_id: str
     parent_run_id: str
     view: str  # the saved runs-table view of its trials (MLflow UI)
-    interrupted: bool
+    interrupted: bool  # it ended with trials left to run: --resume continues it
     table: str
     best: report.TrialRow | None
     knob_importance: importance.KnobImportance
+    spend: spend.SweepSpend
+    stop_reason: str  # completed, interrupted: ..., budget: ... (the parent run's stop_reason tag)
+
+    @property
+    def stopped_at_budget(self) -> bool:
+        return self.stop_reason.startswith(f"{BUDGET}: ")
 
 
 def _sweep_params(sweep: Sweep, max_concurrent: int, need: TrialResources) -> dict[str, Any]:
     cfg = sweep.cfg
-    params = {f"tune.{k}": v for k, v in cfg.tune.model_dump(mode="json").items()}
+    # the budget may grow on --resume: a tag (MLflow's params never change), not a param
+    params = {f"tune.{k}": v for k, v in cfg.tune.model_dump(mode="json").items() if f"tune.{k}" != BUDGET_KEY}
     params.update({
         "space": sweep.space.name, "space_files": ", ".join(sweep.space.sources),
         "searched_keys": ", ".join(sweep.space.keys), "derive": ", ".join(r.name for r in sweep.space.derive) or "none",
@@ -252,8 +267,29 @@ def _sweep_params(sweep: Sweep, max_concurrent: int, need: TrialResources) -> di
     return params
 
 
+def record_start(sweep: Sweep, parent: MlflowRun, params: dict[str, Any], resume: bool) -> None:
+    """The sweep's record, its trials' model sources and its parent run's setup (a new sweep), or the
+    budget a resume was given (``--resume DIR --set tune.budget_hours=...``)."""
+    cfg = sweep.cfg
+    if resume and recorded_budget(sweep.record_path) != cfg.tune.budget_hours:
+        uris.write_bytes(sweep.record_path, sweep.record().encode())
+    parent.set_tags({BUDGET_KEY: str(cfg.tune.budget_hours)})
+    if resume:
+        return
+    uris.write_bytes(sweep.record_path, sweep.record().encode())
+    for (init_from, init_ema), source in sweep.sources.items():
+        save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
+    parent.log_params(params)
+    parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
+    parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(), RECORD_NAME: sweep.record()})
+    save_sweep_view(sweep, parent, params["trials_planned"])
+
+
 def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepOutcome:
     cfg = sweep.cfg
+    if cfg.tune.budget_hours is not None and threading.current_thread() is not threading.main_thread():
+        raise InvalidInputError(  # it ends the sweep through Tune's signal handler, which only the main thread has
+            f"tune.budget_hours={cfg.tune.budget_hours:g} needs the sweep run from the process's main thread")
     if cfg.tune.searcher == "tpe":
         # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
         # driver) would turn into an experiment error; every real result carries the metric.
@@ -274,15 +310,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     console = active_console()
     if not uris.is_uri(sweep.directory):
         console.open_log(Path(sweep.directory) / LOG_FILE_NAME)
-    if not resume:
-        uris.write_bytes(sweep.record_path, sweep.record().encode())
-        for (init_from, init_ema), source in sweep.sources.items():
-            save_source(source, sweep_source_location(uris.join(sweep.directory, SWEEP_SOURCES), init_from, init_ema))
-        parent.log_params(_sweep_params(sweep, max_concurrent, need))
-        parent.set_tags(run_origin(describe_sweep(sweep), command_line()))
-        parent.log_texts({"space.yaml": sweep.space.text, "base_config.yaml": cfg.to_yaml(),
-                          RECORD_NAME: sweep.record()})
-        save_sweep_view(sweep, parent, _sweep_params(sweep, max_concurrent, need)["trials_planned"])
+    record_start(sweep, parent, _sweep_params(sweep, max_concurrent, need), resume)
     console.line(f"sweep {sweep.name}: {_sweep_params(sweep, max_concurrent, need)['trials_planned']} trials "
                  f"({cfg.tune.searcher} over {', '.join(sweep.space.keys)}; {cfg.tune.scheduler}), "
                  f"{max_concurrent} at a time, {need.describe(cfg)} each"
@@ -305,13 +333,18 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     except Exception:
         # The sweep itself broke (e.g. the Ray cluster died): its state on disk is intact, so record
         # where it stopped and let --resume continue it.
-        mark_unfinished(parent, f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}")
-        parent.finish("FAILED")
+        reason = f"{INTERRUPTED}: the sweep failed; resume with vitsweep tune --resume {sweep.directory}"
+        mark_unfinished(parent, reason)
+        parent.end("FAILED", reason)
         console.line(f"vitsweep tune: the sweep failed; continue it with: vitsweep tune --resume {sweep.directory}")
         raise
-    # A trial neither terminated nor errored was still pending or running when Tune stopped.
-    interrupted = results.num_terminated + results.num_errors < len(results)
-    return finish_sweep(sweep, parent, list(results), interrupted)
+    # A trial neither terminated nor errored was still pending or running when Tune stopped. The budget
+    # (pipeline.sweeps.budget) says so on the parent run, whose stop_reason was "running" until then: Tune
+    # ends its pending trials in memory as it returns (they stay pending in its saved state).
+    said = parent.tags.get(STOP_REASON_TAG, "")
+    budget_stop = said if said.startswith(f"{BUDGET}: ") else None
+    interrupted = budget_stop is not None or results.num_terminated + results.num_errors < len(results)
+    return finish_sweep(sweep, parent, list(results), interrupted, budget_stop)
 
 
 def _tpe_pruned(sweep: Sweep, results: list) -> list[dict[str, Any]]:
@@ -335,8 +368,10 @@ def describe_sweep(sweep: Sweep) -> str:
             f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
 
 
-def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance) -> str:
-    """The parent run's description once the sweep ends: what it was, its best trial, which knob mattered."""
+def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance,
+                    spent: spend.SweepSpend) -> str:
+    """The parent run's description once the sweep ends: what it was, its best trial, which knob
+    mattered, what it spent."""
     metric = sweep.cfg.tune.metric
     if best is None:
         outcome = "No trial trained every epoch."
@@ -344,7 +379,9 @@ def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importanc
         knobs = ", ".join(f"{name}={report.cell(best.knobs[key])}" for key, name in short_keys(best.knobs).items())
         outcome = f"Best: trial `{best.trial_id}`, {metric} **{report.cell(best.value(metric))}** ({knobs})."
     lines = importance.format_importance(found, bars=False).splitlines()
+    cost = spend.format_spend(spent, metric).splitlines()
     return (f"{describe_sweep(sweep)}\n\n{outcome}\n\n{lines[0]}\n\n" + "".join(f"- {line.strip()}\n" for line in lines[1:])
+            + f"\n{cost[0]}\n\n" + "".join(f"- {line.strip()}\n" for line in cost[1:])
             + f"\nThe whole result on one page: Artifacts, `{summary.SUMMARY_NAME}`.")
 
 
@@ -360,20 +397,26 @@ def save_sweep_view(sweep: Sweep, parent: MlflowRun, trials: int) -> None:
     MlflowStore(parent.uri).save_view(parent.get().info.experiment_id, view_key(sweep), f"sweep {sweep.name}", state)
 
 
-def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool) -> SweepOutcome:
-    """Record the outcome on the parent run: best trial, knob importances, results.csv, pruned.csv,
-    plots, and all of it on one page (summary.html); the description says the result."""
+def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bool,
+                 budget_stop: str | None = None) -> SweepOutcome:
+    """Record the outcome on the parent run: best trial, knob importances, what it spent, results.csv,
+    pruned.csv, plots, and all of it on one page (summary.html); the description says the result, the
+    ``stop_reason`` tag why it ended (``budget_stop``: the budget's reason, when the budget ended it)."""
     cfg = sweep.cfg
     metric, mode = cfg.tune.metric, cfg.tune.mode
     # Tune answers Ctrl-C by returning early: a trial whose run is still open did not end.
     interrupted = interrupted or any(row.state == "running" for row in report.sweep_rows(parent, metric))
-    if interrupted:
-        mark_unfinished(parent, f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}")
+    resume = f"{INTERRUPTED}: resume with vitsweep tune --resume {sweep.directory}"
+    if interrupted:  # a trial left running (a killed driver's, or stopped by Ctrl-C) waits for --resume
+        mark_unfinished(parent, resume)
+    stop_reason = (f"{budget_stop}; continue with: vitsweep tune --resume {sweep.directory} --set tune.budget_hours=MORE"
+                   if budget_stop else resume if interrupted else COMPLETED)
     pruned = sweep.plan.pruned + (_tpe_pruned(sweep, results) if cfg.tune.searcher == "tpe" else [])
     rows = report.sweep_rows(parent, metric)
     all_rows = rows + report.pruned_rows(pruned)
     best = report.best_row(rows, metric, mode)
     found = importance.knob_importance(rows, metric, sweep.space.dims, cfg.tune.searcher)
+    spent = spend.sweep_spend(all_rows, metric, mode, best)
 
     files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
     if pruned:
@@ -382,21 +425,24 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}
         discrete_keys = {d.key for d in sweep.space.dims if d.kind in ("values", "randint")}
-        written = plots.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys)
+        written = plots.plot_sweep(rows, metric, mode, Path(directory), log_keys, discrete_keys, spent)
         bars = plots.importance_figure(found)
         bars_path = plots.save(bars, Path(directory) / f"{metric}_importance.png") if bars else None
         for path in [*written, *([bars_path] if bars_path else [])]:
             parent.log_artifact(path, "plots")
-        state = "interrupted" if interrupted else "finished"
+        state = "stopped at its budget" if budget_stop else "interrupted" if interrupted else "finished"
         parent.log_texts({summary.SUMMARY_NAME: summary.summary_html(
-            sweep.name, state, describe_sweep(sweep), all_rows, metric, mode, best, found, bars_path, written)})
+            sweep.name, state, describe_sweep(sweep), all_rows, metric, mode, best, found, bars_path, written, spent)})
     if found.assessed:
         names = short_keys(found.importances)
         parent.log_metrics({f"importance/{names[key]}": share for key, share in found.importances.items()})
     # Counters are tags: as metrics the UI would chart each as a one-bar plot ahead of the metric.
     counts = {f"trials_{state}": str(sum(r.state == state for r in all_rows)) for state in TRIAL_STATES}
     counts.update(trials_total=str(len(all_rows)), trial_epochs=str(sum(r.epochs for r in rows)))
-    parent.set_tags({**counts, "mlflow.note.content": describe_result(sweep, best, found)})
+    parent.set_tags({**counts, "mlflow.note.content": describe_result(sweep, best, found, spent),
+                     STOP_REASON_TAG: stop_reason, UNIT_TAG: spent.unit})
+    parent.log_metrics({ACCELERATOR_HOURS: spent.total,
+                        **({BEST_TRIAL_HOURS: best.accelerator_hours} if best and best.accelerator_hours else {})})
     if best:
         parent.log_metrics({f"best_{metric}": best.value(metric)})
         parent.set_tags({"best_trial_id": best.trial_id, "best_run_id": best.run_id, "best_knobs": json.dumps(best.knobs)})
@@ -405,4 +451,4 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     if report.has_seeds(rows):
         table = f"per configuration, over seeds:\n{report.format_seed_table(rows, metric, mode)}\n\nper trial:\n{table}"
     return SweepOutcome(sweep.name, sweep.directory, parent.uri, parent.get().info.experiment_id, parent.run_id,
-                        view_key(sweep), interrupted, table, best, found)
+                        view_key(sweep), interrupted, table, best, found, spent, stop_reason)

@@ -2,7 +2,8 @@
 
 MLflow 3.17's artifact viewer renders an ``.html`` artifact inline (a sandboxed frame of the file
 alone, so the plots are embedded as data URIs, not linked): the best configuration, which knob
-mattered, the configurations over seeds, every trial, and the plots, for whoever is handed the link.
+mattered, what the sweep spent and which trials were cheapest for their result, the configurations
+over seeds, every trial, and the plots, for whoever is handed the link.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import re
 from pathlib import Path
 
 from pipeline.sweeps.importance import KnobImportance, format_importance
-from pipeline.sweeps.report import REPORTED, TrialRow, cell, has_seeds, seed_table, table
+from pipeline.sweeps.report import REPORTED, TrialRow, cell, has_seeds, knob_keys, seed_table, table
 from pipeline.sweeps.spaces import short_keys
+from pipeline.sweeps.spend import SweepSpend, format_spend
 
 SUMMARY_NAME = "summary.html"
 
@@ -57,9 +59,21 @@ def _best(best: TrialRow | None, metric: str) -> str:
             + _table(["knob", "value"], knobs) + "<br>" + _table(["metric (last epoch)", "value"], metrics))
 
 
+def _spend(spend: SweepSpend, metric: str, plots: list[Path]) -> str:
+    """What the sweep spent, its Pareto front over accelerator-hours as a table, and its figure."""
+    parts = [f"<pre>{html.escape(format_spend(spend, metric))}</pre>"]
+    if spend.front:
+        keys = knob_keys(spend.front)
+        parts.append(_table(["trial", metric, spend.unit, *short_keys(keys).values()],
+                            [[row.trial_id, cell(row.value(metric)), cell(row.accelerator_hours),
+                              *(cell(row.knobs.get(key)) for key in keys)] for row in spend.front]))
+    parts += [_image(path) for path in plots if path.stem.endswith("_vs_accelerator_hours")]
+    return "".join(parts)
+
+
 def summary_html(name: str, state: str, description: str, rows: list[TrialRow], metric: str, mode: str,
                  best: TrialRow | None, found: KnobImportance, importance_plot: Path | None,
-                 plots: list[Path]) -> str:
+                 plots: list[Path], spend: SweepSpend) -> str:
     """The page: ``rows`` are every trial and pruned sample, ``plots`` the sweep's figures."""
     trials = [r for r in rows if r.run_id]
     parts = [f"<h1>Sweep {html.escape(name)} ({html.escape(state)})</h1>", f"<p>{_markdown_inline(description)}</p>",
@@ -67,9 +81,11 @@ def summary_html(name: str, state: str, description: str, rows: list[TrialRow], 
              "<h2>Which knob mattered</h2>", f"<pre>{html.escape(format_importance(found))}</pre>"]
     if importance_plot is not None:
         parts.append(_image(importance_plot))
+    parts += [f"<h2>What it cost ({html.escape(spend.unit)})</h2>", _spend(spend, metric, plots)]
     if has_seeds(trials):
         parts += ["<h2>Each configuration over its seeds (completed trials)</h2>", _table(*seed_table(trials, metric, mode))]
     parts += [f"<h2>Trials, best first ({len(trials)} trials, {len(rows) - len(trials)} pruned)</h2>",
-              _table(*table(rows, metric, mode)), "<h2>Plots</h2>", *(_image(path) for path in plots)]
+              _table(*table(rows, metric, mode)), "<h2>Plots</h2>",
+              *(_image(path) for path in plots if not path.stem.endswith("_vs_accelerator_hours"))]
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep {html.escape(name)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")

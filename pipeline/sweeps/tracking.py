@@ -32,12 +32,15 @@ TRIAL_STATES = (COMPLETED, EARLY_STOPPED, DIVERGED, ERROR, INTERRUPTED, PRUNED)
 
 
 def open_parent_run(uri: str, experiment: str, sweep_name: str, run_id: str | None = None) -> MlflowRun:
-    """The sweep's parent run: a new one, or ``run_id`` continued (``--resume``)."""
+    """The sweep's parent run: a new one, or ``run_id`` continued (``--resume``); its ``stop_reason``
+    says ``running`` until the sweep ends (``runner.finish_sweep``)."""
     if run_id:
         parent = MlflowRun(uri, run_id)
         parent.set_running()
+        parent.set_tags({STOP_REASON_TAG: "running"})  # why it stopped before is history now
         return parent
-    return MlflowStore(uri).create_run(experiment, sweep_name, tags={ROLE_TAG: "sweep", SWEEP_TAG: sweep_name})
+    return MlflowStore(uri).create_run(experiment, sweep_name,
+                                       tags={ROLE_TAG: "sweep", SWEEP_TAG: sweep_name, STOP_REASON_TAG: "running"})
 
 
 def find_child_run(uri: str, experiment: str, parent_run_id: str, trial_id: str) -> Run | None:

@@ -22,7 +22,8 @@ from ray import tune
 
 from pipeline.ray_connection import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer, fit_and_record, open_mlflow_run
+from pipeline.training.runs import (CheckedRun, ModelFacts, ResolvedData, begin_attempt, build_trainer, fit_and_record,
+                                    open_mlflow_run)
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
@@ -86,11 +87,12 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     open_mlflow_run(run, mlflow_run, source=f"{plan.source} (trial {trial_id})")
     mlflow_run.log_params(knob_params(knobs, {dim.key for dim in plan.space.dims if dim.is_log}))
     with TrialStopWatch() as stop:
-        trainer = build_trainer(run, mlflow_run, launched_at, callbacks=(SweepReportCallback(), stop.callback),
+        cost = begin_attempt(run, mlflow_run)
+        trainer = build_trainer(run, mlflow_run, launched_at, cost, callbacks=(SweepReportCallback(), stop.callback),
                                 announce=False)
         # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
         try:
-            fit_and_record(trainer, run, mlflow_run, record_failure=False)
+            fit_and_record(trainer, run, mlflow_run, cost, record_failure=False)
         except Exception:
             if not stop.requested:
                 raise
