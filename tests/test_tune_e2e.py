@@ -1,4 +1,5 @@
-"""`vitsweep tune` end to end on 2 cores, one sweep: ASHA stops a bad trial, a diverging trial fails alone,
+"""`vitsweep tune` end to end on 2 cores, one sweep: a trial that runs out of memory goes on at a smaller
+micro-batch, ASHA stops a bad trial, a diverging trial fails alone,
 the driver killed during the last trial resumes without re-running finished trials, first under a budget
 its trials have already spent (it starts nothing and stops, resumable), then with a larger one, and MLflow
 holds one parent with a child per trial, each with what it spent. (A TPE sweep: test_cluster_growing_sweep.)"""
@@ -23,6 +24,7 @@ from conftest import (VITSWEEP, RunningVitsweep, run_vitsweep,
                       sampled_every, tune_command)
 from pipeline.config.loading import load_config
 from pipeline.sweeps.runner import TRIAL_RUNS_DIR
+from pipeline.training.oom import INJECT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -123,8 +125,11 @@ def asha_sweep(tmp_path_factory, digits16) -> KilledAndResumedSweep:
     # of the one before.
     space.write_text("fixed:\n  optim.lr: null\n"
                      "params:\n  optim.lr_per_512: {values: [3.2e-2, 1.6e-6, 1.6e+7, 1.6e-2]}\n")
+    # The first trial's workers run out of memory at its micro-batch of 32 (a fault injected, as a GPU would
+    # raise it): it goes on at 16 x 2 accumulation steps.
     sweep = RunningVitsweep(tune_command(storage, digits16, space, "optim.epochs=2", "tune.name=asha",
-                                         "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"))
+                                         "tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2"),
+                            env={INJECT_ENV: "*_00000:16"})
     with lifetimes_below(sweep.process.pid) as processes:
         try:
             # the last trial has trained and checkpointed its first epoch (ASHA let it go on: 1e-3 is far
@@ -201,7 +206,7 @@ def test_a_sweep_over_the_per_batch_rate_records_it_and_the_rate_each_trial_trai
         assert run.data.params["optim.global_batch_size"] == "32"  # 1 worker x 32 x 1
         assert _lr(run) == pytest.approx(knob * 32 / 512)
     # The sweep's final table (and `vitsweep compare`, the same table) shows both, per trial.
-    assert re.search(r"^trial +state +lr_per_512 +lr_effective +epochs ", result.stdout, re.M)
+    assert re.search(r"^trial +state +lr_per_512 +lr_effective +oom_split +epochs ", result.stdout, re.M)
     assert re.search(r"^\w+ +\w+ +0\.032 +0\.002 ", result.stdout, re.M)  # the 3.2e-2 trial trained at 2e-3
 
 
@@ -232,7 +237,7 @@ def test_the_stopped_trials_process_takes_the_next_trial_once_the_stopped_trials
     assert functions[0].first <= first_started and functions[0].last >= next_started
     assert functions[0].last <= functions[1].first <= last_started
     workers = [p for p in processes.values() if p.was("ray::RayTrainWorker")]
-    assert len(workers) == 4, workers  # one per trial
+    assert len(workers) == 5, workers  # one per trial, and the first trial's that ran out of memory
     assert [w for w in workers if w.first <= next_started <= w.last] == []  # the stopped trial's had ended
 
 
@@ -449,3 +454,28 @@ def test_a_larger_budget_given_on_resume_runs_the_rest_and_is_what_the_sweep_rec
     assert parent.data.tags["stop_reason"] == "completed" and parent.data.tags["tune.budget_hours"] == "10.0"
     assert json.loads((storage / "asha" / "vitsweep_sweep.json").read_text())["base_config"]["tune"]["budget_hours"] == 10
     assert "tune.budget_hours" not in parent.data.params  # it may change: a tag
+
+
+# --------------------------------------------------------------------------------------------------
+# A trial that ran out of memory
+# --------------------------------------------------------------------------------------------------
+
+def test_a_trial_out_of_memory_goes_on_at_half_the_micro_batch_with_the_same_global_batch_and_rate(asha_sweep):
+    storage, result = asha_sweep.storage, asha_sweep.resumed
+    _, _, children = _runs(storage)
+    (split,) = [run for trial_id, run in children.items() if trial_id.endswith("_00000")]
+    params, tags = split.data.params, split.data.tags
+    assert (tags["oom.split"], tags["oom.retries"]) == ("16x2", "1")
+    assert (params["oom_split.micro_batch_size"], params["oom_split.grad_accum_steps"]) == ("16", "2")
+    # as asked: the params stay what the sweep asked for, and the global batch and rate are its
+    assert (params["optim.micro_batch_size"], params["optim.grad_accum_steps"]) == ("32", "1")
+    assert params["optim.global_batch_size"] == "32" and _lr(split) == pytest.approx(3.2e-2 * 32 / 512)
+    assert tags["stop_reason"] == "completed"
+    assert [m.step for m in _client(storage).get_metric_history(split.info.run_id, "val_top1")] == [1, 2]
+    assert all("oom.split" not in run.data.tags for trial_id, run in children.items() if run is not split)
+    table = result.stdout[result.stdout.index("sweep asha (finished)"):]
+    assert re.search(r"^trial +state +lr_per_512 +lr_effective +oom_split +epochs ", table, re.M)
+    assert re.search(rf"^{split.data.tags['trial_id']} +completed +0\.032 +0\.002 +16x2 +2 ", table, re.M), table
+    log = (storage / "asha" / "vitsweep.log").read_text()
+    assert f"trial {split.data.tags['trial_id']}: out of memory at micro-batch 32; again at 16 x 2 accumulation " \
+           "steps (the same global batch)" in log

@@ -93,11 +93,19 @@ class _DeviceEpochIterator(EpochIterator):
 
 
 class DeviceLoader(ThreadCountPreservingLoader):
-    """``ThreadCountPreservingLoader`` whose epoch thread runs on ``device`` (``_DeviceEpochIterator``)."""
+    """``ThreadCountPreservingLoader`` whose epoch thread runs on ``device`` (``_DeviceEpochIterator``);
+    an epoch holds a whole multiple of ``batches_per_step`` batches (the optimizer step's micro-batches),
+    the samples of an incomplete last step left out as ``drop_last`` leaves out an incomplete batch. So
+    an epoch's steps see the same samples at any split of the step into micro-batches, and no step
+    accumulates across two epochs."""
 
-    def __init__(self, *args, device: torch.device, **kwargs):
+    def __init__(self, *args, device: torch.device, batches_per_step: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.device = device
+        self.device, self.batches_per_step = device, batches_per_step
+
+    def __len__(self) -> int:
+        batches = super().__len__()
+        return batches - batches % self.batches_per_step
 
     def __iter__(self) -> _DeviceEpochIterator:
         # ffcv 1.0.2's Loader.__iter__, which builds its EpochIterator inline: the same steps.
@@ -145,8 +153,10 @@ def build_train_loader(
     device: torch.device | str,
     distributed: bool = False,
     seed: int = 0,
+    batches_per_step: int = 1,
 ) -> DeviceLoader:
-    """Random-resized-crop training batches from a local ``.beton`` (``stage_dataset`` gives one)."""
+    """Random-resized-crop training batches from a local ``.beton`` (``stage_dataset`` gives one), each
+    epoch a whole number of optimizer steps of ``batches_per_step`` batches (``optim.grad_accum_steps``)."""
     check_beton(path)
     _check_distributed(distributed, data.order)
     _check_threads(data.num_workers)
@@ -157,7 +167,7 @@ def build_train_loader(
         order=ORDERS[data.order], distributed=distributed, seed=seed, drop_last=data.drop_last,
         batches_ahead=data.batches_ahead,
         pipelines=train_pipelines(data, img_size, torch.device(device), seed=augment_seed),
-        device=torch.device(device),
+        device=torch.device(device), batches_per_step=batches_per_step,
     )
 
 

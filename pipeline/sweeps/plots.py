@@ -155,6 +155,7 @@ def spend_figure(rows: list[TrialRow], metric: str, spend: SweepSpend) -> Figure
             ax.annotate(row.trial_id, (row.accelerator_hours, row.value(metric)), textcoords="offset points",
                         xytext=(4, 4), fontsize="small")
     ax.ticklabel_format(axis="x", useOffset=False)
+    ax.margins(x=0.12)  # room for the names of the front's cheapest and dearest trials
     _label_metric_axes(ax, f"{spend.unit} spent", metric)
     ax.set_title(f"{cell(spend.total)} {spend.unit} in all; the best trial alone "
                  f"{cell(spend.best.accelerator_hours) if spend.best else '-'}", fontsize="medium")

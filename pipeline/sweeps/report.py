@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, RATE_INPUTS
 from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG
+from pipeline.training.oom import SPLIT_TAG
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import COMPLETED, KNOBS_TAG, PRUNED, STOP_REASON_TAG, TRIAL_TAG, child_runs
 from pipeline.tracking.store import MlflowRun
@@ -35,6 +36,7 @@ class TrialRow:
     lr_effective: float | None = None  # the peak rate it trained at (its per-batch rate scaled to its batch)
     accelerator_hours: float | None = None  # what it spent (pipeline.training.cost); None: it never trained
     cost_unit: str = ""  # GPU-hours or CPU-core-hours
+    split: str = ""  # micro-batch x accumulation steps it trained at after running out of memory ("16x4")
 
     def value(self, metric: str) -> float:
         return self.metrics.get(metric, math.nan)
@@ -61,6 +63,7 @@ def sweep_rows(parent: MlflowRun, metric: str) -> list[TrialRow]:
             params_m=params_count / 1e6 if params_count is not None else None,
             gflops=_float(params.get("model_facts.gflops")), lr_effective=_float(params.get(EFFECTIVE_LR_PARAM)),
             accelerator_hours=run.data.metrics.get(ACCELERATOR_HOURS), cost_unit=tags.get(UNIT_TAG, ""),
+            split=tags.get(SPLIT_TAG, ""),
         ))
     return rows
 
@@ -110,12 +113,14 @@ def table(rows: list[TrialRow], metric: str, mode: str) -> tuple[list[str], list
     keys = knob_keys(rows)
     # A searched per-batch rate or batch: the rate each trial trained at, beside its knobs.
     rates = ["lr_effective"] if set(keys) & set(RATE_INPUTS) else []
-    header = ["trial", "state", *short_keys(keys).values(), *rates, "epochs", metric,
+    # A trial that ran out of memory trained at a smaller micro-batch (pipeline.training.oom).
+    splits = ["oom_split"] if any(row.split for row in rows) else []
+    header = ["trial", "state", *short_keys(keys).values(), *rates, *splits, "epochs", metric,
               *[m for m in REPORTED if m != metric], "params_M", "gflops", spend_column(rows), "reason", "mlflow_run"]
     body = []
     for row in ranked(rows, metric, mode):
         body.append([row.trial_id or "-", row.state, *[cell(row.knobs.get(k)) for k in keys],
-                     *[cell(row.lr_effective) for _ in rates], str(row.epochs),
+                     *[cell(row.lr_effective) for _ in rates], *[row.split for _ in splits], str(row.epochs),
                      cell(row.value(metric)), *[cell(row.value(m)) for m in REPORTED if m != metric],
                      cell(row.params_m), cell(row.gflops), cell(row.accelerator_hours), row.reason, row.run_id])
     return header, body

@@ -41,7 +41,7 @@ from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_k
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
                                        growth_notice, local_ray_cpus, start_timeout_s)
-from pipeline.sweeps.tracking import (COMPLETED, EPOCHS_DONE, INTERRUPTED, TRIAL_STATES, TrialRecorder,
+from pipeline.sweeps.tracking import (COMPLETED, EPOCHS_DONE, INTERRUPTED, PRUNED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
 from pipeline.tracking.store import STOP_REASON_TAG, MlflowRun, MlflowStore, command_line, run_origin
@@ -290,10 +290,9 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     if cfg.tune.budget_hours is not None and threading.current_thread() is not threading.main_thread():
         raise InvalidInputError(  # it ends the sweep through Tune's signal handler, which only the main thread has
             f"tune.budget_hours={cfg.tune.budget_hours:g} needs the sweep run from the process's main thread")
-    if cfg.tune.searcher == "tpe":
-        # A pruned TPE sample ends without a result, which Tune's strict metric check (in this
-        # driver) would turn into an experiment error; every real result carries the metric.
-        os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    # A pruned TPE sample, or a trial pruned as out of memory, ends without a result, which Tune's strict
+    # metric check (in this driver) would turn into an experiment error; every real result carries the metric.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     try:
         start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
     except Interrupted:
@@ -419,8 +418,10 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
     spent = spend.sweep_spend(all_rows, metric, mode, best)
 
     files = {"results.csv": report.to_csv(all_rows, metric, mode), PRUNED_NAME: json.dumps(pruned, indent=1)}
-    if pruned:
-        files["pruned.csv"] = report.to_csv(report.pruned_rows(pruned), metric, mode)
+    # the samples never started, and the trials that did not fit in memory at micro-batch 1
+    pruned_csv = report.pruned_rows(pruned) + [row for row in rows if row.state == PRUNED]
+    if pruned_csv:
+        files["pruned.csv"] = report.to_csv(pruned_csv, metric, mode)
     parent.log_texts(files)
     with tempfile.TemporaryDirectory() as directory:
         log_keys = {d.key for d in sweep.space.dims if d.is_log}

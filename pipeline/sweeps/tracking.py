@@ -6,7 +6,8 @@ artifacts, and at the end the best trial, ``results.csv``, ``pruned.csv`` and ``
 Children (``mlflow.parentRunId`` = the parent, so the UI nests them): everything a training run
 records, plus tags ``trial_id``, ``knobs`` (JSON of the searched and derived values) and
 ``stop_reason``: ``completed``, ``early_stopped: ...`` (by ASHA: status FINISHED, not a failure),
-``diverged: ...`` / ``error: ...`` (FAILED) or ``interrupted`` (KILLED; ``--resume`` continues it).
+``diverged: ...`` / ``error: ...`` (FAILED), ``interrupted`` (KILLED; ``--resume`` continues it) or
+``pruned: oom: ...`` (FINISHED: it does not fit in memory even at micro-batch 1, ``pipeline.training.oom``).
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class TrialRecorder(Callback):
             done = int(trial.last_result.get(EPOCHS_DONE, 0))
             record_stop(run, "FINISHED",
                         f"{EARLY_STOPPED}: {self.scheduler.upper()} stopped it after epoch {done} of {self.epochs}")
-        else:
+        elif not found.data.tags.get(STOP_REASON_TAG, "").startswith(f"{PRUNED}: "):  # pruned by its own end (oom)
             record_stop(run, None, COMPLETED)
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray import tune
@@ -27,9 +27,12 @@ from pipeline.training.runs import (CheckedRun, ModelFacts, ResolvedData, begin_
 from pipeline.sweeps.planning import resolve_trial
 from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
-from pipeline.sweeps.tracking import open_child_run
+from pipeline.sweeps.tracking import PRUNED, open_child_run
 from pipeline.sweeps.trial_stop import TrialStopWatch
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
+from pipeline.tracking.store import MlflowRun
+from pipeline.training.oom import (OOM, RETRIES_TAG, SPLIT_TAG, ran_out_of_memory, smaller_micro_batch, split,
+                                   split_params)
 
 
 @dataclass(frozen=True)
@@ -87,13 +90,36 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     open_mlflow_run(run, mlflow_run, source=f"{plan.source} (trial {trial_id})")
     mlflow_run.log_params(knob_params(knobs, {dim.key for dim in plan.space.dims if dim.is_log}))
     with TrialStopWatch() as stop:
+        train_fitting_memory(run, mlflow_run, launched_at, stop)
+
+
+def train_fitting_memory(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, stop: TrialStopWatch) -> None:
+    """Fit the trial; one whose workers run out of memory goes on at a smaller micro-batch (the same global
+    batch: ``pipeline.training.oom``), and one that does not fit at micro-batch 1 ends pruned as ``oom``."""
+    asked, retries = run.cfg, 0
+    while True:
         cost = begin_attempt(run, mlflow_run)
         trainer = build_trainer(run, mlflow_run, launched_at, cost, callbacks=(SweepReportCallback(), stop.callback),
                                 announce=False)
         # An error here may be ASHA stopping the trial: the sweep's TrialRecorder, which knows, records it.
         try:
             fit_and_record(trainer, run, mlflow_run, cost, record_failure=False)
-        except Exception:
-            if not stop.requested:
+            break
+        except Exception as err:
+            if stop.requested:  # Tune stopped it and its run was aborted: the function ends, its process takes the next
+                break
+            if not ran_out_of_memory(err):
                 raise
-            # Tune stopped the trial and its run was aborted: the function ends so its process takes the next.
+        smaller = smaller_micro_batch(run.cfg)
+        if smaller is None:
+            mlflow_run.end("FINISHED", f"{PRUNED}: {OOM}: out of memory at micro-batch 1 (asked {split(asked)}: "
+                                       "micro-batch x accumulation steps)")
+            return
+        retries += 1
+        print(f"trial {run.run_name}: out of memory at micro-batch {run.cfg.optim.micro_batch_size}; again at "
+              f"{smaller.optim.micro_batch_size} x {smaller.optim.grad_accum_steps} accumulation steps (the same "
+              "global batch)", flush=True)  # the sweep's log
+        mlflow_run.set_tags({SPLIT_TAG: split(smaller), RETRIES_TAG: str(retries)})
+        run = replace(run, cfg=smaller)
+    if retries:
+        mlflow_run.log_params(split_params(run.cfg))

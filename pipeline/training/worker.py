@@ -40,6 +40,7 @@ from pipeline.components.optim import build_ema, build_optimizer, build_schedule
 from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.tracking.step_metrics import StepMetricsLog
+from pipeline.training.oom import raise_injected_oom
 from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights,
     train_head_only)
 
@@ -164,6 +165,7 @@ class Trainer:
 
         self.start_epoch = self.resume()
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
+        raise_injected_oom(cfg.run.name, cfg.optim.micro_batch_size)  # a test's fault on a CPU (oom.INJECT_ENV)
 
     def build_loaders(self):
         """This node's copy of each dataset (staged once per node), this rank's shard of it."""
@@ -174,7 +176,7 @@ class Trainer:
         distributed = self.world_size > 1
         train_loader = build_train_loader(
             cfg.data, train, cfg.optim.micro_batch_size, cfg.model.img_size,
-            self.device, distributed=distributed, seed=cfg.run.seed,
+            self.device, distributed=distributed, seed=cfg.run.seed, batches_per_step=cfg.optim.grad_accum_steps,
         )
         val_loader = build_val_loader(  # no activations kept for a backward pass: twice the batch fits
             cfg.data, val, 2 * cfg.optim.micro_batch_size, cfg.model.img_size, self.device, distributed=distributed,
