@@ -100,7 +100,9 @@ def test_doctor_on_a_head_node_skips_the_gpu_check_of_a_gpu_job_and_says_why(tmp
     assert line.startswith("skip  gpu") and "the head runs no GPU work" in line
     (line,) = [line for line in out.splitlines() if " gpu_metrics " in line]
     assert line.startswith("skip  gpu_metrics") and "each GPU node reports its own" in line
-    assert "8/8 checks passed, 2 skipped on a head node" in out
+    (line,) = [line for line in out.splitlines() if " nccl_hangs " in line]
+    assert line.startswith("skip  nccl_hangs") and "the head runs no collective" in line
+    assert "8/8 checks passed, 3 skipped on a head node" in out
 
 
 def test_doctor_before_ray_starts_on_a_gpu_node_checks_its_driver_whatever_the_config(capsys):
@@ -108,8 +110,9 @@ def test_doctor_before_ray_starts_on_a_gpu_node_checks_its_driver_whatever_the_c
     code = main(["doctor", "--node", "gpu-driver", "--set", "tracking.mlflow_uri=http://127.0.0.1:9"])
     out = capsys.readouterr().out
     checked = {line.split()[1]: line.split()[0] for line in out.splitlines() if line[:6].strip() in ("ok", "FAIL", "skip")}
-    assert checked == {"python": "ok", "torch": "ok", "gpu": checked["gpu"], "gpu_metrics": "skip", "timm": "skip",
-                       "deepspeed": "skip", "ffcv": "skip", "ray": "skip", "mlflow": "skip", "disk": "skip"}
+    assert checked == {"python": "ok", "torch": "ok", "gpu": checked["gpu"], "gpu_metrics": "skip", "nccl_hangs": "skip",
+                       "timm": "skip", "deepspeed": "skip", "ffcv": "skip", "ray": "skip", "mlflow": "skip",
+                       "disk": "skip"}
     assert code == (EXIT_OK if checked["gpu"] == "ok" else EXIT_FAILURE)
 
 
@@ -255,3 +258,17 @@ def test_a_command_run_in_process_leaves_nothing_for_later_tests_or_the_commands
         leaked = {key for key in QUIET_SETTINGS if key in vitsweep_env() and key not in STARTING_ENVIRONMENT}
         assert not leaked, leaked
     assert {key for key in QUIET_SETTINGS if key in os.environ} == before
+
+
+def test_doctor_on_a_gpu_worker_says_whether_ray_can_detect_an_nccl_hang_there(tmp_path, capsys, monkeypatch):
+    def nccl_line() -> str:
+        main(["doctor", "--node", "gpu-worker", "--set", f"run.storage_path={tmp_path}", "--set", "tracking.mlflow_uri=null"])
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if " nccl_hangs " in line]
+        return line
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ncclras here
+    assert nccl_line().startswith("  ok  nccl_hangs  ncclras not found on PATH: Ray Train's NCCL hang detector cannot")
+    client = tmp_path / "ncclras"
+    client.write_text("#!/bin/sh\n")
+    client.chmod(0o755)
+    assert nccl_line() == f"  ok  nccl_hangs  {client} (NCCL hangs fail the run after 600 s)"

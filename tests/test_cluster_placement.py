@@ -59,3 +59,25 @@ def test_every_cluster_files_head_and_only_its_head_offers_the_trial_slots():
         config = yaml.safe_load((CLUSTER / name).read_text())
         head = config["available_node_types"][config["head_node_type"]]
         assert head["resources"] == {"CPU": 0, **declared[name]["head"]}, name
+
+
+@pytest.mark.parametrize("action", [None, "observe"])
+def test_a_gpu_runs_trainer_has_ray_fail_a_hung_nccl_collective_unless_told_otherwise(tmp_path, monkeypatch, action):
+    from ray.train.v2._internal.callbacks.nccl_ras import NCCLRASCallback
+
+    from pipeline.tracking.store import MlflowRun
+    from pipeline.training.cost import RunCost
+    from pipeline.training.runs import CheckedRun, ModelFacts, ResolvedData, build_trainer
+
+    for name in ("RAY_TRAIN_ENABLE_NCCL_HANG_DETECTOR", "RAY_TRAIN_NCCL_RAS_ACTION"):
+        monkeypatch.delenv(name, raising=False)
+    if action:
+        monkeypatch.setenv("RAY_TRAIN_NCCL_RAS_ACTION", action)
+    cfg = load_config("smoke", ["scaling.use_gpu=true", "scaling.gpus_per_worker=1", "deepspeed.precision=bf16"])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = CheckedRun(cfg, ResolvedData("train.beton", "val.beton", 10), ModelFacts.measure(cfg.model, 10), "gpu",
+                     str(tmp_path), uri)
+    trainer = build_trainer(run, MlflowRun(uri, "run-id"), 0.0, RunCost.begin(cfg, {}))
+    # Ray Train's own callbacks for this trainer, as its fit would make them
+    (detector,) = [c for c in trainer._create_default_callbacks() if isinstance(c, NCCLRASCallback)]
+    assert detector._action == (action or "fail")

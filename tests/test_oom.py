@@ -3,6 +3,7 @@ by hand, the fault a CPU test injects, the failure Ray Train hands over, and, wi
 real DeepSpeed engine, the same global batches and the same loss trajectory at any split of the step.
 (A sweep's trial retried end to end: test_tune_e2e.)"""
 import os
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 from ray.tune.experiment import Trial
 
 from pipeline.components.lr_scaling import effective_lr
+from pipeline.components.memory_snapshot import write_memory_snapshot
 from pipeline.config.loading import load_config
 from pipeline.config.schema import DataConfig
 from pipeline.data.loaders import build_train_loader
@@ -75,6 +77,18 @@ def test_a_trial_that_ended_itself_pruned_as_out_of_memory_keeps_its_reason(tmp_
         reasons[trial_id] = (run.info.status, run.data.tags[STOP_REASON_TAG])
     assert reasons == {"t_00000": ("FINISHED", "pruned: oom: out of memory at micro-batch 1"),
                        "t_00001": ("FINISHED", "completed")}
+
+
+def test_the_memory_snapshot_lists_the_largest_live_tensor_first_and_the_processes_memory(tmp_path):
+    held = torch.ones(4, 4096, 1024)  # 64 MiB, by hand, touched: resident
+    directory = write_memory_snapshot(tmp_path / "oom", 1, torch.device("cpu"))
+    lines = (directory / "rank1_memory.txt").read_text().splitlines()
+    assert lines[0] == "rank 1 ran out of memory on cpu"
+    now, peak = (float(mib) for mib in re.findall(r"([\d.]+) MiB", lines[1]))
+    assert 64 <= now <= peak
+    assert lines[3].split() == ["64.000", "MiB", "torch.float32", "(4,", "4096,", "1024)"]
+    assert [path.name for path in directory.iterdir()] == ["rank1_memory.txt"]  # no CUDA allocator on a CPU
+    del held
 
 
 # --------------------------------------------------------------------------------------------------

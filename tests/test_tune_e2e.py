@@ -18,10 +18,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import timm
 from mlflow.tracking import MlflowClient
 
 from conftest import (VITSWEEP, RunningVitsweep, run_vitsweep,
                       sampled_every, tune_command)
+import models  # noqa: F401  (registers vitsweep's variants)
 from pipeline.config.loading import load_config
 from pipeline.sweeps.runner import TRIAL_RUNS_DIR
 from pipeline.training.oom import INJECT_ENV
@@ -479,3 +481,18 @@ def test_a_trial_out_of_memory_goes_on_at_half_the_micro_batch_with_the_same_glo
     log = (storage / "asha" / "vitsweep.log").read_text()
     assert f"trial {split.data.tags['trial_id']}: out of memory at micro-batch 32; again at 16 x 2 accumulation " \
            "steps (the same global batch)" in log
+
+
+def test_the_rank_that_ran_out_of_memory_left_what_held_it(asha_sweep):
+    storage = asha_sweep.storage
+    client, _, children = _runs(storage)
+    (split,) = [run for trial_id, run in children.items() if trial_id.endswith("_00000")]
+    assert [a.path for a in client.list_artifacts(split.info.run_id, "oom/micro_batch_32")] == [
+        "oom/micro_batch_32/rank0_memory.txt"]  # its one worker's; on a GPU also the allocator's snapshot
+    text = _download(client, split.info.run_id, "oom/micro_batch_32/rank0_memory.txt", storage)
+    assert text.startswith("rank 0 ran out of memory on cpu\nprocess resident memory: ")
+    # the largest live tensor is at least the model's largest weight (timm's own count of the smoke model)
+    model = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=2)
+    largest = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    listed = float(re.search(r"the largest:\n +([\d.]+) MiB", text)[1])
+    assert listed >= round(largest, 3), (listed, largest)

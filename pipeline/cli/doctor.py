@@ -129,6 +129,16 @@ def _mlflow(cfg: ExperimentConfig) -> str:
     return f"mlflow {mlflow.__version__}; {check_reachable(resolve_tracking_uri(cfg))}"
 
 
+def _nccl_hangs(cfg: ExperimentConfig, node: str | None) -> str:
+    """Whether Ray Train's NCCL hang detector can ask this node (``pipeline.training.nccl_hangs``): a missing
+    client is reported, not failed (the run trains; a hang then waits for NCCL's own timeout)."""
+    from pipeline.training.nccl_hangs import ras_client
+
+    if not cfg.scaling.use_gpu and node not in GPU_ROLES:
+        return "not used by this config (scaling.use_gpu=false: gloo, no NCCL)"
+    return ras_client()
+
+
 def _disk(cfg: ExperimentConfig) -> str:
     from pipeline.training.locations import check_can_create, run_directories
 
@@ -151,6 +161,8 @@ def checks(cfg: ExperimentConfig, node: str | None) -> list[Check]:
               {"head": "the head runs no GPU work; each GPU node checks its own driver"}),
         Check("gpu_metrics", lambda: _gpu_metrics(cfg, node),
               {"head": "the head runs no GPU work; each GPU node reports its own", **DRIVER_ONLY}),
+        Check("nccl_hangs", lambda: _nccl_hangs(cfg, node),
+              {"head": "the head runs no collective; each GPU node has its own NCCL RAS client", **DRIVER_ONLY}),
         Check("timm", _timm, DRIVER_ONLY),
         Check("deepspeed", _deepspeed, DRIVER_ONLY),
         Check("ffcv", _ffcv, DRIVER_ONLY),

@@ -54,6 +54,7 @@ from pipeline.components.model_card import ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG, RunCost, cost_unit
 from pipeline.training.epoch_logger import MLflowEpochLogger
+from pipeline.training.nccl_hangs import detect_nccl_hangs
 from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
 from pipeline.tracking.connection import (check_logger_can_reach, is_new_local_store, require_reachable,
                                           resolve_tracking_uri)
@@ -365,6 +366,8 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, co
     ``callbacks`` adds e.g. Tune's report callback; ``announce``: epoch and progress lines on the console
     (a sweep shows its own table instead)."""
     cfg = run.cfg
+    if cfg.scaling.use_gpu:
+        detect_nccl_hangs()
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
                       run.facts.gflops, lr=effective_lr(cfg.optim, cfg.scaling.num_workers), announce=announce,

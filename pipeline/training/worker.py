@@ -37,6 +37,7 @@ from pipeline.components.losses import build_training_loss
 from pipeline.components.metrics import validation_metrics
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
+from pipeline.components.memory_snapshot import write_memory_snapshot
 from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.tracking.step_metrics import StepMetricsLog
@@ -46,6 +47,7 @@ from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initi
 
 
 PROFILE_ARTIFACTS = "profile"  # the run's artifact folder for run.profile's trace
+OOM_ARTIFACTS = "oom"  # ... and for the memory snapshots of the ranks that ran out of memory
 MONITOR_STOP_TIMEOUT_S = 30.0  # the most a worker waits for its node's last system-metrics sample to be logged
 
 
@@ -165,7 +167,6 @@ class Trainer:
 
         self.start_epoch = self.resume()
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
-        raise_injected_oom(cfg.run.name, cfg.optim.micro_batch_size)  # a test's fault on a CPU (oom.INJECT_ENV)
 
     def build_loaders(self):
         """This node's copy of each dataset (staged once per node), this rank's shard of it."""
@@ -217,6 +218,9 @@ class Trainer:
         self.setup()
         try:
             self.train_epochs()
+        except torch.OutOfMemoryError:
+            self.leave_memory_snapshot()
+            raise  # the run fails; a sweep's trial goes on at a smaller micro-batch (pipeline.training.oom)
         finally:
             if self.profiler is not None:
                 self.end_profile()
@@ -225,6 +229,7 @@ class Trainer:
             self.stop_monitoring()
 
     def train_epochs(self) -> None:
+        raise_injected_oom(self.cfg.run.name, self.cfg.optim.micro_batch_size)  # a test's fault (oom.INJECT_ENV)
         # A run started from trained weights first evaluates them as loaded, before any step (reported
         # with its first epoch as initial_val_*, MLflow's step 0).
         initial = ({f"{INITIAL_PREFIX}{key}": value for key, value in self.evaluate(with_ema=False).items()}
@@ -314,6 +319,18 @@ class Trainer:
                 f"({count}{'' if run.max_loss_spikes is None else f' of {run.max_loss_spikes}'})")
         if run.max_loss_spikes is not None and count >= run.max_loss_spikes:
             raise LossDiverged(step, f"{count} loss spikes over {run.loss_spike_factor:g}x the running median")
+
+    def leave_memory_snapshot(self) -> None:
+        """What held this rank's memory as it ran out (``pipeline.components.memory_snapshot``), as the run's
+        ``oom/micro_batch_<N>/`` artifacts: rank 0's through its writer, another rank's through one of its own."""
+        files = write_memory_snapshot(Path(tempfile.mkdtemp(prefix="vitsweep-oom-")), self.rank, self.device)
+        artifact_path = f"{OOM_ARTIFACTS}/micro_batch_{self.cfg.optim.micro_batch_size}"
+        if self.step_metrics is not None:
+            self.step_metrics.log_files(files, artifact_path)  # written by its close(), as the run ends
+            return
+        log = StepMetricsLog(self.plan.tracking_uri, self.plan.mlflow_run_id)
+        log.log_files(files, artifact_path)
+        log.close()
 
     def end_profile(self) -> None:
         """A run that ended before its profile's last step says what the trace holds."""
