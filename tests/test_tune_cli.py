@@ -1,6 +1,7 @@
 """`vitsweep tune` / `compare` without Ray: bad input exits 2 before anything runs; the results table."""
 import itertools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -256,6 +257,41 @@ def test_seeds_are_summarised_per_configuration_as_mean_spread_and_n(tmp_path):
     lines = format_seed_table(rows, "val_top1", "max").splitlines()
     assert lines[0].split()[:6] == ["name", "n", "val_top1", "mean", "±", "sd"]
     assert lines[2].split()[:5] == ["eit", "3", "82.00", "±", "2.00"] and lines[3].split()[:5] == ["vit", "2", "71.00", "±", "1.41"]
+
+
+def test_the_seed_table_reads_whole_best_configuration_first_in_the_metrics_direction():
+    from pipeline.sweeps.report import TrialRow, seed_table
+
+    # val_loss is minimised: eit (0.30, 0.50) before vit (0.60, 0.80); each configuration's other metrics as means
+    trials = [("eit", 0, 0.30, 80.0), ("eit", 1, 0.50, 84.0), ("vit", 0, 0.60, 70.0), ("vit", 1, 0.80, 72.0)]
+    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"model.name": model, "run.seed": seed}, 3,
+                     {"val_loss": loss, "val_top1": top1, "val_top5": 99.0, "train_loss": 2 * loss}, 1.0, 0.01)
+            for i, (model, seed, loss, top1) in enumerate(trials)]
+    header, body = seed_table(rows, "val_loss", "min")
+    assert header == ["name", "n", "val_loss mean ± sd", "min", "max", "val_top1 mean", "val_top5 mean",
+                      "train_loss mean"]
+    # by hand: means 0.4 and 0.7, sample sd sqrt(0.02) = 0.1414, train_loss twice the loss
+    assert body == [["eit", "2", "0.40 ± 0.14", "0.3", "0.5", "82", "99", "0.8"],
+                    ["vit", "2", "0.70 ± 0.14", "0.6", "0.8", "71", "99", "1.4"]]
+    assert [line[0] for line in seed_table(rows, "val_loss", "max")[1]] == ["vit", "eit"]
+
+
+def test_a_configuration_without_the_metric_has_no_spread_and_no_range():
+    from pipeline.sweeps.report import SeedGroup
+
+    group = SeedGroup({"model.name": "eit"}, {"val_top1": [80.0]})
+    assert group.n("val_loss") == 0 and math.isnan(group.mean("val_loss")) and group.spread("val_loss") == 0.0
+    assert group.spread("val_top1") == 0.0  # one seed
+
+
+def test_the_csv_ranks_its_rows_in_the_metrics_direction(tmp_path):
+    from pipeline.sweeps.report import TrialRow, to_csv
+
+    rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"optim.lr": lr}, 2, {"val_loss": loss}, 1.0, 0.01)
+            for i, (lr, loss) in enumerate([(1e-3, 0.9), (2e-3, 0.4), (3e-3, 0.6)])]
+    ranked = [line.split(",")[0] for line in to_csv(rows, "val_loss", "min").splitlines()[1:]]
+    assert ranked == ["t1", "t2", "t0"]
+    assert [line.split(",")[0] for line in to_csv(rows, "val_loss", "max").splitlines()[1:]] == ["t0", "t2", "t1"]
 
 
 def test_compare_groups_a_sweep_with_seeds_by_configuration(tmp_path, capsys):
