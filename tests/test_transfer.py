@@ -21,9 +21,9 @@ from pipeline.components.model_card import ModelCard
 from pipeline.trained.model_source import ModelSource, Provenance
 from pipeline.components.modeling import build_model
 from pipeline.components.optim import build_optimizer, build_scheduler
-from pipeline.trained.transfer import (InitialWeights, fill_template, freeze_backbone, load_initial_weights,
-    plan_transfer, read_saved_source, resolve_initial_weights, save_source, saved_source_header, shapes_of,
-    train_head_only)
+from pipeline.trained.transfer import (InitialWeights, TransferPlan, fill_template, freeze_backbone,
+    load_initial_weights, plan_transfer, read_saved_source, read_saved_weights, resolve_initial_weights, save_source,
+    saved_initial_weights, saved_source_header, shapes_of, sweep_source_location, train_head_only)
 
 # One small member of each family: (model name, args, its img_size, the weights its classifier has).
 FAMILIES = {
@@ -420,3 +420,93 @@ def test_long_lists_of_weights_stay_within_mlflows_tag_limit_and_whole_in_the_ar
     record_initial_weights(tracking, InitialWeights(plan, str(tmp_path / "init_source.safetensors")))
     assert tracking.tags["init.excluded"].endswith("... (see init_weights.json)")
     assert len(json.loads(tracking.read_artifact("init_weights.json"))["excluded"]) == len(plan.excluded) == 480
+
+
+# -- the plan's record, as workers and sweeps read it -------------------------------------------------------
+
+
+def test_a_plan_read_back_from_its_record_is_the_plan_every_fate_included():
+    source = trained_source(model_config("vit"))
+    model = with_source(model_config("vit", img_size=24)).model_copy(update={"init_exclude": ("blocks.1.*",)})
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 3)
+    assert plan.reset and plan.resampled and plan.excluded and plan.fresh  # every kind of fate present
+    record = json.loads(json.dumps(plan.as_dict()))  # as the workers get it
+    assert TransferPlan.from_dict(record) == plan
+    weights = InitialWeights(plan, "/runs/finetune/init_source.safetensors").for_workers()
+    assert weights == {"location": "/runs/finetune/init_source.safetensors", "plan": plan.as_dict()}
+
+
+def test_the_summary_groups_the_reset_weights_by_their_reason():
+    source = trained_source(model_config("sot", args={"pos_embed": "learn"}))
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance,
+                         with_source(model_config("sot", args={"pos_embed": "learn"})), 5)
+    # every weight of the source but the 4 of the two classifiers loads
+    assert plan.summary() == (f"pretrained (run r1): {len(source.weights) - 4} weights loaded, 4 reset "
+                              "(head.cls_fc.bias, head.cls_fc.weight, head.word_fc.bias, head.word_fc.weight: "
+                              "classifier, 10 -> 5 classes)")
+    reasons = {"a.weight": "one", "b.weight": "two", "a.bias": "one"}
+    from pipeline.trained.transfer import _grouped
+    assert _grouped(reasons) == "a.weight, a.bias: one; b.weight: two"
+
+
+@pytest.mark.parametrize("tokens, prefix, grid", [(17, 1, (4, 4)), (16, 0, (4, 4)), (18, 1, None), (1, 1, None),
+                                                  (38, 2, (6, 6))])
+def test_a_card_less_sources_grid_is_the_square_its_token_count_makes_past_the_prefix(tokens, prefix, grid):
+    from pipeline.trained.transfer import _source_grid
+
+    assert _source_grid((1, tokens, 8), None, prefix) == grid
+
+
+def test_a_carded_sources_grid_is_its_own_models_whatever_its_token_count():
+    from pipeline.trained.transfer import _source_grid
+
+    card = ModelCard(model=model_config("vit", img_size=24), num_classes=10)  # 6 x 6 patches of 4 px
+    assert _source_grid((1, 37, 40), card, 1) == (6, 6)
+    xcit = ModelCard(model=model_config("xcit"), num_classes=10)  # no position table: the token count decides
+    assert _source_grid((1, 17, 40), xcit, 1) == (4, 4)
+
+
+def test_a_sweeps_trial_starts_from_the_file_its_sweep_saved_fitted_from_its_header_alone(tmp_path):
+    model = with_source(model_config("vit"))
+    source = trained_source(model)
+    directory = str(tmp_path / "sweep" / "init_sources")
+    location = sweep_source_location(directory, "pretrained", False)
+    assert location.startswith(directory + "/") and location.endswith(".safetensors")
+    assert len({location, sweep_source_location(directory, "pretrained", True),
+                sweep_source_location(directory, "pretrained-2", False)}) == 3  # one file per source and EMA choice
+    assert sweep_source_location(directory, "pretrained", False) == location
+    save_source(source, location)
+    trial = saved_initial_weights(location, model, 5)
+    assert trial.location == location and trial.source is None  # the workers read the file itself
+    assert trial.plan == plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 5)
+
+
+def test_a_run_restarted_under_its_name_keeps_the_file_it_started_from(tmp_path):
+    model = with_source(model_config("vit"))
+    first, second = trained_source(model, seed=0), trained_source(model, seed=1)
+    location = str(tmp_path / "run" / "init_source.safetensors")
+    plan = plan_transfer(shapes_of(first.weights), first.card, first.provenance, model, 10)
+    InitialWeights(plan, location, first).save()
+    written = (tmp_path / "run" / "init_source.safetensors").read_bytes()
+    InitialWeights(plan, location, second).save()  # the restart: its resolved source is not written over it
+    InitialWeights(plan, str(tmp_path / "none.safetensors")).save()  # nothing to write: the file is the workers'
+    assert (tmp_path / "run" / "init_source.safetensors").read_bytes() == written
+    assert not (tmp_path / "none.safetensors").exists()
+
+
+def test_saved_weights_that_are_missing_truncated_or_not_vitsweeps_are_refused_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    missing = str(tmp_path / "missing.safetensors")
+    with pytest.raises(InvalidInputError, match=f"^the saved initial weights {missing} are missing$"):
+        read_saved_weights(missing)
+    with pytest.raises(InvalidInputError, match=f"^the saved initial weights {missing} are missing or truncated$"):
+        saved_source_header(missing)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(b"\x10\x00\x00")
+    with pytest.raises(InvalidInputError, match="are missing or truncated"):
+        saved_source_header(str(truncated))
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(foreign))
+    with pytest.raises(InvalidInputError, match=f"^{foreign} was not written by vitsweep's save_source"):
+        saved_source_header(str(foreign))

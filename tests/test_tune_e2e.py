@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 from conftest import (VITSWEEP, RunningVitsweep, run_vitsweep,
                       sampled_every, tune_command)
 import models  # noqa: F401  (registers vitsweep's variants)
+from pipeline.cli import EXIT_OK, main
 from pipeline.config.loading import load_config
 from pipeline.sweeps.runner import TRIAL_RUNS_DIR
 from pipeline.training.oom import INJECT_ENV
@@ -328,13 +329,13 @@ def _download(client, run_id, name, storage) -> str:
     return open(client.download_artifacts(run_id, name, str(directory))).read()
 
 
-def test_compare_prints_the_same_table_as_the_parents_csv(asha_sweep):
+def test_compare_prints_the_same_table_as_the_parents_csv(asha_sweep, capsys):
     storage = asha_sweep.storage
     client, (parent,), _ = _runs(storage)
-    result = run_vitsweep([VITSWEEP, "compare", "vitsweep", "--csv", "--set", f"run.storage_path={storage}"], timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
     recorded = list(csv.reader(io.StringIO(_download(client, parent.info.run_id, "results.csv", storage))))
-    printed = list(csv.reader(io.StringIO(result.stdout)))
+    capsys.readouterr()
+    assert main(["compare", "vitsweep", "--csv", "--set", f"run.storage_path={storage}"]) == EXIT_OK  # as the command runs it
+    printed = list(csv.reader(io.StringIO(capsys.readouterr().out)))
     assert printed == recorded
 
 
