@@ -5,6 +5,7 @@ before anything is written. Exactness against a trained run's own val_top1, EMA 
 tests/test_after_training.py."""
 import contextlib
 import csv
+import dataclasses
 import io
 import tempfile
 from pathlib import Path
@@ -19,7 +20,10 @@ from pipeline.config.schema import DataConfig
 from pipeline.data.loaders import build_val_loader
 from pipeline.data.sidecar import WriteOptions, read_sidecar
 from pipeline.data.writing import write_beton
-from pipeline.trained.evaluation import ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG
+from pipeline.trained.evaluation import (ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG, Evaluation, SampleRecorder,
+                                         class_name_differences, plan_evaluation, record_evaluation, source_label)
+from pipeline.trained.model_source import ModelSource, Provenance
+from pipeline.tracking.store import MlflowStore
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
 from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
@@ -221,3 +225,66 @@ def test_evaluate_feeds_the_model_as_its_card_says_in_eval_mode_each_sample_once
     # the top-1 probability follows every pixel (an untrained model's class often does not)
     assert [float(row["probability"]) for row in rows] == pytest.approx(probability.tolist(), rel=1e-5)
     assert evaluation.data.metrics["val_top1"] == pytest.approx(100.0 * np.mean(expected.numpy() == source.labels))
+
+
+# -- what the evaluation run is called, for each kind of source --------------------------------------------
+
+def _source(kind: str, given: str, location: str = "/runs/x/model.safetensors", **provenance) -> ModelSource:
+    return ModelSource({}, None, Provenance(given, kind, location, **provenance))
+
+
+def test_an_evaluations_label_names_the_registry_entry_the_run_the_checkpoint_or_the_file(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    trained = MlflowStore(uri).create_run("vitsweep", "digits16")
+    cases = {
+        "models:/digits@champion": (_source("registered_model", "models:/digits@champion", registered_name="digits",
+                                            registered_version="3", registered_alias="champion"), "digits@champion"),
+        "models:/digits/3": (_source("registered_model", "models:/digits/3", registered_name="digits",
+                                     registered_version="3"), "digits/3"),
+        "runs:": (_source("mlflow_run", f"runs:/{trained.run_id}/model", run_id=trained.run_id), "digits16"),
+        "checkpoint": (_source("checkpoint_dir", "runs/e2e/checkpoint_000001",
+                               location="/abs/runs/e2e/checkpoint_000001"), "e2e/checkpoint_000001"),
+        "file": (_source("safetensors", "/weights/best.safetensors/"), "best.safetensors"),
+        "run name": (_source("run_name", "digits16", location="/abs/runs/digits16/x.safetensors",
+                             run_id=trained.run_id), "digits16"),
+    }
+    for case, (source, label) in cases.items():
+        assert source_label(source, uri) == label, case
+
+
+def test_an_ema_evaluation_is_named_and_measured_as_the_emas_and_its_data_without_the_suffix(logged_run, tmp_path):
+    """The plan of the suite's logged run, its provenance made EMA's (as `--ema` resolves it): the run is
+    `eval <label> on <data> (ema)` and its metrics training's EMA names."""
+    from pipeline.config.loading import load_config
+
+    plan = plan_evaluation(logged_run.model_uri, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={logged_run.uri}",
+                                                 f"run.storage_path={tmp_path}"]))
+    ema = dataclasses.replace(plan, source=dataclasses.replace(
+        plan.source, provenance=dataclasses.replace(plan.source.provenance, ema=True)))
+    evaluation = Evaluation({"val_top1": 50.0, "val_top5": 90.0, "val_loss": 1.5}, np.eye(10, dtype=np.int64),
+                            np.arange(10), np.arange(10), np.full(10, 0.5))
+    recorded = record_evaluation(ema, evaluation)
+    assert recorded.run_name == "eval logged on val (ema)"
+    run = MlflowClient(logged_run.uri).get_run(recorded.run_id)
+    assert {key: run.data.metrics[key] for key in ("val_top1_ema", "val_top5_ema", "val_loss_ema")} == {
+        "val_top1_ema": 50.0, "val_top5_ema": 90.0, "val_loss_ema": 1.5}
+    assert "val_top1" not in run.data.metrics and plan.experiment == "vitsweep"
+    MlflowClient(logged_run.uri).delete_run(recorded.run_id)  # the module's other tests count its evaluations
+
+
+def test_class_names_are_compared_label_by_label_only_where_the_model_says_its_own(logged_run, tmp_path):
+    from pipeline.config.loading import load_config
+
+    plan = plan_evaluation(logged_run.model_uri, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={logged_run.uri}", f"run.storage_path={tmp_path}"]))
+    data = plan.classes  # the digits' own: '0' ... '9'
+    named = dataclasses.replace(plan.source, card=plan.source.card.model_copy(update={"class_names": (
+        *data[:3], "three", *data[4:])}))
+    assert class_name_differences(dataclasses.replace(plan, source=named)) == ["'three' != '3'"]
+    unnamed = dataclasses.replace(plan.source, card=plan.source.card.model_copy(update={"class_names": None}))
+    assert class_name_differences(dataclasses.replace(plan, source=unnamed)) == []
+
+
+def test_a_recorder_that_saw_no_batch_has_no_samples():
+    assert SampleRecorder(3).samples() == {"labels": [], "predicted": [], "probability": []}
