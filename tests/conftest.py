@@ -202,6 +202,14 @@ def pytest_configure(config) -> None:
     STARTING_ENVIRONMENT.update(os.environ)
 
 
+def per_test_under_mutation(scope: str) -> Callable[[str, pytest.Config], str]:
+    """A shared fixture's scope: ``scope``, but each test's own under mutmut (``make mutation`` sets
+    MUTANT_UNDER_TEST). mutmut runs, against a mutant, the tests that ran the mutated code while it
+    recorded them; a shared fixture's code runs in the first test that asks for it, so the others
+    that read its result would never be run against it."""
+    return lambda fixture_name, config: "function" if "MUTANT_UNDER_TEST" in os.environ else scope
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """The session's directories go with a passing session; a failing one's stay for a look, except under
     `make mutation`, whose every killed mutant is a failing session (hundreds of them would fill the disk)."""

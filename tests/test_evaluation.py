@@ -27,6 +27,7 @@ from pipeline.tracking.store import MlflowStore
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
 from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
+from conftest import per_test_under_mutation
 from test_data_images import NoiseSource
 
 
@@ -50,7 +51,7 @@ def _read(logged_run, run, name: str) -> str:
         return Path(MlflowClient(logged_run.uri).download_artifacts(run.info.run_id, name, directory)).read_text()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope=per_test_under_mutation("module"))
 def evaluated(logged_run):
     """One evaluation of the logged model on the digits val set, at a 0.875 crop: (console, its MLflow run)."""
     console = io.StringIO()
@@ -288,3 +289,85 @@ def test_class_names_are_compared_label_by_label_only_where_the_model_says_its_o
 
 def test_a_recorder_that_saw_no_batch_has_no_samples():
     assert SampleRecorder(3).samples() == {"labels": [], "predicted": [], "probability": []}
+
+
+def test_the_run_records_every_setting_of_the_evaluation_as_a_param_and_says_it_in_words(logged_run, evaluated):
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    console, run = evaluated
+    sidecar = read_sidecar(logged_run.data["val"])
+    source = MlflowClient(logged_run.uri).get_run(logged_run.run_id)
+    params = run.data.params
+    location = params.pop("source.location")
+    assert location.startswith(source.info.artifact_uri.rsplit("/artifacts", 1)[0]) or location.endswith(
+        "model.safetensors"), location
+    # the card's preprocessing: the smoke model's ImageNet statistics (timm's constants), 16 px, the 0.875 asked
+    assert params == {
+        "source": logged_run.model_uri, "source.kind": "mlflow_run", "ema": "False", "model.name": "xcit_nano_12_p8",
+        "data": str(logged_run.data["val"]), "data.sha256": sidecar.sha256, "data.num_samples": "360",
+        "data.num_classes": "10", "img_size": "16", "crop_ratio": "0.875", "mean": str(list(IMAGENET_DEFAULT_MEAN)),
+        "std": str(list(IMAGENET_DEFAULT_STD)), "workers": "this process", "batch_size": "64",
+        "source.run_id": logged_run.run_id, "source.model_id": logged_run.model_id}
+    metrics = run.data.metrics
+    assert run.data.tags["mlflow.note.content"] == (
+        f"Evaluation of **logged** (trained by [run {logged_run.run_id}](#/experiments/{source.info.experiment_id}/runs/"
+        f"{logged_run.run_id})) on `val.beton` (360 images, 10 classes) at 16 px, center crop 0.875: top-1 "
+        f"{metrics['val_top1']:.2f}%, top-5 {metrics['val_top5']:.2f}%, loss {metrics['val_loss']:.4f}.")
+    assert run.data.tags["vitsweep.source"] == logged_run.model_uri
+    assert (run.info.status, run.data.tags["stop_reason"]) == ("FINISHED", "completed")
+    assert (f"evaluating {logged_run.model_uri} [mlflow_run] on {logged_run.data['val']}: 360 images, 10 classes, "
+            "16 px, crop 0.875; this process") in console
+
+
+def test_data_of_many_other_classes_is_refused_naming_its_first_five_and_what_to_do(logged_run, nothing_written, tmp_path,
+                                                                                  capsys):
+    class SixClasses(NoiseSource):
+        def __init__(self):
+            super().__init__()
+            self.classes = ["a", "b", "c", "d", "e", "f"]
+            self.labels = np.arange(12, dtype=np.int64) % 6
+            self.sizes = np.full((12, 2), 16)
+
+        def load_image(self, index):
+            return np.full((16, 16, 3), index, dtype=np.uint8)
+
+    path = tmp_path / "six.beton"
+    write_beton(SixClasses(), path, WriteOptions(write_mode="raw"), num_workers=1)
+    assert main(["evaluate", logged_run.model_uri, "--data", str(path),
+                 "--set", f"tracking.mlflow_uri={logged_run.uri}"]) == EXIT_INVALID_INPUT
+    assert (f"classifies 10 classes but dataset '{path}' has 6 (a, b, c, d, e, ...); evaluate it on data of the "
+            "classes it was trained on") in capsys.readouterr().err
+
+
+def test_a_batch_of_one_is_a_batch(logged_run, tmp_path, monkeypatch):
+    from pipeline.config.loading import load_config
+
+    monkeypatch.delenv("VITSWEEP_CACHE_DIR")  # the node's cache directory unset: the run storage's data-cache/
+
+    plan = plan_evaluation(logged_run.model_uri, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={logged_run.uri}", f"run.storage_path={tmp_path}"]),
+                           batch_size=1)
+    assert (plan.batch_size, plan.workers, plan.source.provenance.ema) == (1, 0, False)  # defaults: here, final weights
+    assert plan.cache_dir == tmp_path / "data-cache" and plan.tracking_uri == logged_run.uri
+
+
+def test_the_ranks_samples_are_put_back_in_the_datasets_order():
+    """Rank r of W reads positions r, r + W, ... (ffcv's DistributedSampler): 7 samples over 3 ranks, by hand."""
+    from pipeline.trained.evaluation import in_dataset_order
+
+    shards = [{"labels": [0, 3, 6], "predicted": [10, 13, 16]}, {"labels": [1, 4], "predicted": [11, 14]},
+              {"labels": [2, 5], "predicted": [12, 15]}]
+    assert in_dataset_order(shards) == {"labels": [0, 1, 2, 3, 4, 5, 6], "predicted": [10, 11, 12, 13, 14, 15, 16]}
+    assert in_dataset_order([{"labels": [4, 2]}]) == {"labels": [4, 2]}  # one process: as it read them
+
+
+def test_more_workers_than_a_local_rays_cpus_is_bad_input_but_a_cluster_may_grow():
+    from pipeline.errors import InvalidInputError
+    from pipeline.trained.evaluation import check_workers_fit
+
+    with pytest.raises(InvalidInputError) as refused:
+        check_workers_fit(3, 2.0, local=True)
+    assert str(refused.value) == ("--workers 3 need 3 CPUs; this machine's local Ray has 2: give fewer, or join a "
+                                  "cluster with --address")
+    check_workers_fit(2, 2.0, local=True)
+    check_workers_fit(3, 2.0, local=False)

@@ -196,12 +196,26 @@ def evaluation_worker(config: dict[str, Any]) -> None:
     shards: list[dict[str, list] | None] = [samples] * world_size
     if world_size > 1:
         dist.all_gather_object(shards, samples)
-    merged = {name: [None] * sum(len(shard[name]) for shard in shards) for name in samples}
+    if rank == 0:
+        config["results"].put({"metrics": metrics, "confusion": confusion.tolist(), "samples": in_dataset_order(shards)})
+
+
+def in_dataset_order(shards: list[dict[str, list]]) -> dict[str, list]:
+    """Every rank's samples as one list each, in the dataset's order: rank r of W read positions r, r + W, ...
+    (ffcv's DistributedSampler)."""
+    world_size = len(shards)
+    merged = {name: [None] * sum(len(shard[name]) for shard in shards) for name in shards[0]}
     for shard_rank, shard in enumerate(shards):
         for name, values in shard.items():
             merged[name][shard_rank::world_size] = values
-    if rank == 0:
-        config["results"].put({"metrics": metrics, "confusion": confusion.tolist(), "samples": merged})
+    return merged
+
+
+def check_workers_fit(workers: int, cpus: float, local: bool) -> None:
+    """``--workers N`` on a local Ray of ``cpus`` CPUs: one CPU each (a cluster may grow to fit them)."""
+    if local and cpus < workers:
+        raise InvalidInputError(f"--workers {workers} need {workers} CPUs; this machine's local Ray has {cpus:g}: "
+                                "give fewer, or join a cluster with --address")
 
 
 def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
@@ -217,10 +231,7 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
     start_ray(address, "evaluate")
     try:
         use_gpu = ray.cluster_resources().get("GPU", 0.0) >= plan.workers
-        have = ray.cluster_resources().get("CPU", 0.0)
-        if have < plan.workers and ray_address(address) == "local":
-            raise InvalidInputError(f"--workers {plan.workers} need {plan.workers} CPUs; this machine's local Ray "
-                                    f"has {have:g}: give fewer, or join a cluster with --address")
+        check_workers_fit(plan.workers, ray.cluster_resources().get("CPU", 0.0), ray_address(address) == "local")
         results = Queue(maxsize=1, actor_options={"num_cpus": 0})  # rank 0's evaluation, on any node
         with tempfile.TemporaryDirectory(prefix="vitsweep-evaluate-") as storage:
             trainer = TorchTrainer(
