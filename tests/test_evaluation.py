@@ -371,3 +371,78 @@ def test_more_workers_than_a_local_rays_cpus_is_bad_input_but_a_cluster_may_grow
                                   "cluster with --address")
     check_workers_fit(2, 2.0, local=True)
     check_workers_fit(3, 2.0, local=False)
+
+
+def _plan(logged_run, tmp_path, **provenance):
+    """The suite's logged run's plan, its provenance changed as another source's would read."""
+    from pipeline.config.loading import load_config
+
+    plan = plan_evaluation(logged_run.model_uri, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={logged_run.uri}", f"run.storage_path={tmp_path}"]))
+    return dataclasses.replace(plan, source=dataclasses.replace(
+        plan.source, provenance=dataclasses.replace(plan.source.provenance, **provenance)))
+
+
+def test_an_ema_evaluation_on_ray_workers_is_announced_and_described_as_such(logged_run, tmp_path):
+    from pipeline.console import Console, active_console
+    from pipeline.trained.evaluation import announce, describe
+
+    plan = dataclasses.replace(_plan(logged_run, tmp_path, ema=True, run_id=None, experiment_id=None), workers=2)
+    stream, previous = io.StringIO(), active_console()
+    Console(stream=stream).activate()
+    try:
+        announce(plan, address_given=True)
+        announce(dataclasses.replace(plan, workers=1), address_given=False)
+    finally:
+        previous.activate()
+    assert stream.getvalue().splitlines() == [
+        f"evaluating {logged_run.model_uri} (EMA weights) [mlflow_run] on {logged_run.data['val']}: 360 images, "
+        "10 classes, 16 px, crop 1; 2 Ray workers (cluster)",
+        f"evaluating {logged_run.model_uri} (EMA weights) [mlflow_run] on {logged_run.data['val']}: 360 images, "
+        "10 classes, 16 px, crop 1; 1 Ray worker"]
+    metrics = {"val_top1_ema": 12.5, "val_top5_ema": 50.0, "val_loss_ema": 2.25}
+    assert describe(plan, metrics, "logged") == (
+        "Evaluation of **logged** (its EMA weights) on `val.beton` (360 images, 10 classes) at 16 px, center crop 1: "
+        "top-1 12.50%, top-5 50.00%, loss 2.2500.")  # no run that trained it: no link
+
+
+def test_a_registered_sources_entry_is_among_the_evaluations_params(logged_run, tmp_path):
+    from pipeline.trained.evaluation import evaluation_params
+
+    plan = _plan(logged_run, tmp_path, kind="registered_model", registered_name="digits", registered_version="3",
+                 registered_alias="champion", run_id=None, model_id=None)
+    params = evaluation_params(dataclasses.replace(plan, workers=2))
+    assert {key: params[key] for key in params if key.startswith("source.")} == {
+        "source.kind": "registered_model", "source.location": plan.source.provenance.location,
+        "source.registered_name": "digits", "source.registered_version": "3", "source.registered_alias": "champion"}
+    assert params["workers"] == 2
+
+
+def test_an_evaluation_goes_to_its_sources_experiment_where_mlflow_knows_it(tmp_path):
+    from pipeline.trained.evaluation import _experiment
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    pretraining = MlflowStore(uri).create_run("pretraining", "digits-pretrained").get().info.experiment_id
+    assert _experiment(uri, Provenance("digits-pretrained", "run_name", "/x", experiment_id=pretraining)) == "pretraining"
+    assert _experiment(uri, Provenance("weights.safetensors", "safetensors", "/x")) is None  # a file: the config's
+
+
+def test_an_evaluation_of_a_file_is_recorded_with_its_log_and_without_links_it_lacks(logged_run, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    plan = dataclasses.replace(_plan(logged_run, tmp_path, kind="safetensors", given=str(tmp_path / "best.safetensors"),
+                                     run_id=None, model_id=None, experiment_id=None), tracking_uri=uri)
+    log = tmp_path / "vitsweep.log"
+    log.write_text("what the libraries said\n")
+    evaluation = Evaluation({"val_top1": 50.0, "val_top5": 90.0, "val_loss": 1.5}, np.eye(10, dtype=np.int64),
+                            np.arange(10), np.arange(10), np.full(10, 0.5))
+    recorded = record_evaluation(plan, evaluation, log_file=log)
+    client = MlflowClient(uri)
+    run = client.get_run(recorded.run_id)
+    assert (recorded.tracking_uri, recorded.experiment_id, recorded.run_name) == (
+        uri, run.info.experiment_id, "eval best.safetensors on val")
+    assert run.info.run_name == "eval best.safetensors on val" and run.info.status == "FINISHED"
+    assert SOURCE_RUN_TAG not in run.data.tags and SOURCE_MODEL_TAG not in run.data.tags
+    assert not run.inputs.model_inputs
+    assert "vitsweep.log" in {a.path for a in client.list_artifacts(recorded.run_id)}
+    gone = record_evaluation(plan, evaluation, log_file=tmp_path / "no-such.log")  # a log that is not there: no artifact
+    assert "no-such.log" not in {a.path for a in client.list_artifacts(gone.run_id)}
