@@ -553,3 +553,12 @@ def test_a_file_that_is_no_torch_file_is_named_as_such_not_as_a_pickle(trained, 
                                                           f"({kind})")) as refused:
         resolve(trained, str(path))
     assert "unpickle" not in str(refused.value)
+
+
+def test_a_runs_initial_weights_from_a_sources_ema_are_the_emas(trained, tmp_path):
+    from pipeline.trained.transfer import resolve_initial_weights
+
+    model = trained.card.model.model_copy(update={"init_from": "tiny", "init_ema": True})
+    init = resolve_initial_weights(model, len(CLASSES), str(tmp_path / "finetune"), str(trained.storage), trained.uri)
+    assert init.source.provenance.ema
+    assert_same_weights(init.source.weights, trained.weights["final_ema"])

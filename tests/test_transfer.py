@@ -6,6 +6,7 @@ weights load the same under every ZeRO stage and precision.
 Sources here are models built and saved in the test (a ``ModelSource`` as the resolver returns it); every
 source form the resolver reads is started from in ``test_model_source.py``.
 """
+import dataclasses
 import json
 import math
 
@@ -510,3 +511,125 @@ def test_saved_weights_that_are_missing_truncated_or_not_vitsweeps_are_refused_n
     save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(InvalidInputError, match=f"^{foreign} was not written by vitsweep's save_source"):
         saved_source_header(str(foreign))
+
+
+# -- what the plan says, every part of it ------------------------------------------------------------------
+
+def test_the_plans_summary_reads_whole_every_part_named():
+    provenance = Provenance("models:/digits@champion", "registered_model", "/x", ema=True, run_id="r7",
+                            registered_name="digits", registered_version="3")
+    plan = TransferPlan(dataclasses.asdict(provenance), "vit_mini_p4", ("a", "b"),
+                        reset={"head.weight": "classifier, 10 -> 5 classes"},
+                        resampled={"pos_embed": ((4, 4), (6, 6), 1), "dist_embed": ((2, 3), (3, 3), 0)},
+                        excluded=("blocks.1.x",), fresh=("head.weight", "blocks.1.x"))
+    assert plan.summary() == (
+        "models:/digits@champion (run r7, model digits version 3, EMA): 2 weights loaded, 1 reset (head.weight: "
+        "classifier, 10 -> 5 classes), 2 resampled (pos_embed: 4x4 -> 6x6 tokens, dist_embed: 2x3 -> 3x3 tokens), "
+        "1 excluded by model.init_exclude")
+    bare = TransferPlan(dataclasses.asdict(Provenance("best.safetensors", "safetensors", "/x")), None, ("a",))
+    assert bare.summary() == "best.safetensors: 1 weights loaded"
+
+
+class _Embedded(torch.nn.Module):
+    """A module with a position table and (or) a patch embedding whose grid the test chooses."""
+
+    def __init__(self, table: torch.Tensor | None, grid: tuple[int, int] | None, learned: bool = True):
+        super().__init__()
+        if table is not None:
+            self.pos_embed = torch.nn.Parameter(table, requires_grad=learned) if learned is not None else table
+        if grid is not None:
+            self.patch_embed = torch.nn.Module()
+            self.patch_embed.grid_size = grid
+
+
+@pytest.mark.parametrize("module, found", [
+    (_Embedded(torch.zeros(1, 7, 8), (2, 3)), ((2, 3), 1, True)),  # 6 patches of a 2 x 3 grid and a class token
+    (_Embedded(torch.zeros(1, 6, 8), (2, 3), learned=False), ((2, 3), 0, False)),  # a fixed table
+    (_Embedded(None, (2, 3)), None),  # no table (XCiT)
+    (_Embedded(torch.zeros(1, 7, 8), None), None),  # no patch grid to say where it sits
+    (_Embedded(torch.zeros(7, 8), (2, 3)), None),  # not a [1, tokens, width] table
+])
+def test_a_position_embedding_is_a_3d_parameter_over_the_patch_grid_with_its_prefix_tokens(module, found):
+    from pipeline.trained.transfer import _PositionEmbedding, _position_embedding
+
+    assert _position_embedding(module) == (None if found is None else _PositionEmbedding(*found))
+
+
+def test_a_plain_tensor_attribute_is_no_position_embedding():
+    from pipeline.trained.transfer import _position_embedding
+
+    module = _Embedded(None, (2, 3))
+    module.pos_embed = torch.zeros(1, 7, 8)  # a tensor, not a parameter: nothing loads into it
+    assert _position_embedding(module) is None
+
+
+def test_a_carded_sources_grid_is_its_models_even_where_the_token_count_would_say_another():
+    from pipeline.trained.transfer import _source_grid
+
+    card = ModelCard(model=model_config("vit", img_size=24), num_classes=10)  # 6 x 6 patches
+    assert _source_grid((1, 17, 40), card, 1) == (6, 6)
+    assert _source_grid((1, 17, 40), None, 1) == (4, 4)
+
+
+def test_a_single_class_head_starts_afresh_like_any_other_count():
+    source = trained_source(model_config("vit"))
+    _, _, plan = start(source, with_source(model_config("vit")), num_classes=1)
+    assert plan.reset == {"head.weight": "classifier, 10 -> 1 classes", "head.bias": "classifier, 10 -> 1 classes"}
+    assert plan.source_model == "vit_mini_p4"
+
+
+def test_weights_only_the_source_has_may_be_excluded_on_purpose():
+    source = trained_source(model_config("vit", args={"depth": 3}))
+    model = with_source(model_config("vit")).model_copy(update={"init_exclude": ("blocks.2.*",)})
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    assert plan.excluded and all(name.startswith("blocks.2.") for name in plan.excluded)
+    assert not plan.fresh  # the model has none of them: nothing of its own stays fresh
+
+
+def test_a_position_table_of_another_width_is_named_with_both_shapes_and_what_would_fit():
+    source = trained_source(model_config("vit"))  # width 40
+    model = with_source(model_config("vit", args={"embed_dim": 48})).model_copy(update={"init_exclude": (
+        "blocks.*", "cls_token", "norm.*", "patch_embed.*", "head.*")})  # all but the position table set aside
+    with pytest.raises(InvalidInputError) as refused:
+        plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    assert str(refused.value) == (
+        "model.init_from='pretrained' (trained as vit_mini_p4) does not fit model.name='vit_mini_p4' with "
+        "model.args={'depth': 2, 'embed_dim': 48, 'num_heads': 4}: 1 weight(s) cannot be taken:\n"
+        "  pos_embed: source [1, 17, 40] vs model [1, 17, 48] (not the same embedding width and 1 prefix token(s) "
+        "over a patch grid)\n"
+        "  Leave weights at their fresh initialisation on purpose with model.init_exclude (fnmatch globs, e.g. "
+        "['head.*'])")
+
+
+def test_exactly_as_many_misfits_as_are_shown_are_all_shown_and_a_bare_file_is_not_said_to_be_a_model():
+    source = trained_source(model_config("vit", args={"depth": 4}), card=False)
+    # a narrower MLP: each of the 4 blocks' fc1.weight, fc1.bias and fc2.weight differ, 12 weights, as many as shown
+    model = with_source(model_config("vit", args={"depth": 4, "mlp_ratio": 2.0}))
+    with pytest.raises(InvalidInputError) as refused:
+        plan_transfer(shapes_of(source.weights), source.card, source.provenance, model, 10)
+    message = str(refused.value)
+    assert message.startswith("model.init_from='pretrained' does not fit model.name='vit_mini_p4'")
+    assert "12 weight(s) cannot be taken" in message and "more" not in message
+    assert message.count("\n  ") == 12 + 1
+
+
+def test_weights_planned_for_another_model_are_refused_naming_what_is_missing(tmp_path):
+    source = trained_source(model_config("vit"))
+    plan = plan_transfer(shapes_of(source.weights), source.card, source.provenance, with_source(model_config("vit")), 10)
+    deeper = build_model(model_config("vit", args={"depth": 3}), 10)
+    with pytest.raises(RuntimeError) as refused:
+        load_initial_weights(deeper, source.weights, plan)
+    missing = sorted(name for name in deeper.state_dict() if name.startswith("blocks.2."))
+    assert str(refused.value) == (f"the initial weights of 'pretrained' do not fit the model they were planned for: "
+                                  f"missing {missing}, unexpected []")
+
+
+def test_a_saved_sources_broken_card_is_named_with_its_file(tmp_path):
+    from safetensors.torch import save
+
+    location = tmp_path / "broken.safetensors"
+    provenance = json.dumps(dataclasses.asdict(Provenance("pretrained", "run_name", "/x")))
+    location.write_bytes(save({"w": torch.zeros(2)}, metadata={"vitsweep.provenance": provenance,
+                                                                 "vitsweep.card": json.dumps({"model": 5})}))
+    with pytest.raises(InvalidInputError, match=str(location)):
+        saved_source_header(str(location))
