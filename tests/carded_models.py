@@ -33,9 +33,9 @@ def log_in_new_store(root: Path, model: torch.nn.Module, classes: Sequence[str])
 
 
 def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: Sequence[str],
-               run_tags: dict[str, str] | None = None) -> str:
+               run_tags: dict[str, str] | None = None, experiment: str = "vitsweep") -> str:
     """``model`` logged with the card above in the store at ``tracking_uri`` (its weights file written in
-    ``root`` first) by training's own ``log_model``, in a new run (``run_tags``): its runs:/ URI."""
+    ``root`` first) by training's own ``log_model``, in a new run (``run_tags``) of ``experiment``: its runs:/ URI."""
     from safetensors.torch import save_model
 
     from pipeline.components.model_card import ModelCard
@@ -44,7 +44,7 @@ def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: S
     from pipeline.trained.serving import log_model
 
     save_model(model, str(root / "model.safetensors"))
-    run = MlflowStore(tracking_uri).create_run("vitsweep", "carded", tags=run_tags)
+    run = MlflowStore(tracking_uri).create_run(experiment, "carded", tags=run_tags)
     card = ModelCard.of_run(load_config("smoke", list(CARD_OVERRIDES)), len(classes), classes)
     log_model(run, model, [root / "model.safetensors"], card, step=1)
     run.end("FINISHED", "completed")

@@ -23,7 +23,7 @@ from pipeline.data.writing import write_beton
 from pipeline.trained.evaluation import (ROLE, ROLE_TAG, SOURCE_MODEL_TAG, SOURCE_RUN_TAG, Evaluation, SampleRecorder,
                                          class_name_differences, plan_evaluation, record_evaluation, source_label)
 from pipeline.trained.model_source import ModelSource, Provenance
-from pipeline.tracking.store import MlflowStore
+from pipeline.tracking.store import MlflowStore, command_line
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
 from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
@@ -314,28 +314,30 @@ def test_the_run_records_every_setting_of_the_evaluation_as_a_param_and_says_it_
         f"{logged_run.run_id})) on `val.beton` (360 images, 10 classes) at 16 px, center crop 0.875: top-1 "
         f"{metrics['val_top1']:.2f}%, top-5 {metrics['val_top5']:.2f}%, loss {metrics['val_loss']:.4f}.")
     assert run.data.tags["vitsweep.source"] == logged_run.model_uri
+    assert run.data.tags["mlflow.source.name"] == command_line()  # the command, as every run records it
     assert (run.info.status, run.data.tags["stop_reason"]) == ("FINISHED", "completed")
     assert (f"evaluating {logged_run.model_uri} [mlflow_run] on {logged_run.data['val']}: 360 images, 10 classes, "
             "16 px, crop 0.875; this process") in console
 
 
-def test_data_of_many_other_classes_is_refused_naming_its_first_five_and_what_to_do(logged_run, nothing_written, tmp_path,
-                                                                                  capsys):
-    class SixClasses(NoiseSource):
+@pytest.mark.parametrize("count, listed", [(6, "a, b, c, d, e, ..."), (5, "a, b, c, d, e")])
+def test_data_of_other_classes_is_refused_naming_its_first_five_and_what_to_do(logged_run, nothing_written, tmp_path,
+                                                                             capsys, count, listed):
+    class OtherClasses(NoiseSource):
         def __init__(self):
             super().__init__()
-            self.classes = ["a", "b", "c", "d", "e", "f"]
-            self.labels = np.arange(12, dtype=np.int64) % 6
-            self.sizes = np.full((12, 2), 16)
+            self.classes = list("abcdef"[:count])
+            self.labels = np.arange(2 * count, dtype=np.int64) % count
+            self.sizes = np.full((2 * count, 2), 16)
 
         def load_image(self, index):
             return np.full((16, 16, 3), index, dtype=np.uint8)
 
-    path = tmp_path / "six.beton"
-    write_beton(SixClasses(), path, WriteOptions(write_mode="raw"), num_workers=1)
+    path = tmp_path / "other.beton"
+    write_beton(OtherClasses(), path, WriteOptions(write_mode="raw"), num_workers=1)
     assert main(["evaluate", logged_run.model_uri, "--data", str(path),
                  "--set", f"tracking.mlflow_uri={logged_run.uri}"]) == EXIT_INVALID_INPUT
-    assert (f"classifies 10 classes but dataset '{path}' has 6 (a, b, c, d, e, ...); evaluate it on data of the "
+    assert (f"classifies 10 classes but dataset '{path}' has {count} ({listed}); evaluate it on data of the "
             "classes it was trained on") in capsys.readouterr().err
 
 
@@ -446,3 +448,22 @@ def test_an_evaluation_of_a_file_is_recorded_with_its_log_and_without_links_it_l
     assert "vitsweep.log" in {a.path for a in client.list_artifacts(recorded.run_id)}
     gone = record_evaluation(plan, evaluation, log_file=tmp_path / "no-such.log")  # a log that is not there: no artifact
     assert "no-such.log" not in {a.path for a in client.list_artifacts(gone.run_id)}
+
+
+def test_the_evaluation_of_a_model_from_another_experiment_is_planned_in_that_experiment(logged_run, tmp_path):
+    from carded_models import log_carded
+    from pipeline.config.loading import load_config
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    model_uri = log_carded(uri, tmp_path, carded_smoke_model(10, seed=1), [f"digit {i}" for i in range(10)],
+                           experiment="pretraining")
+    plan = plan_evaluation(model_uri, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={uri}", f"run.storage_path={tmp_path}"]))
+    assert plan.experiment == "pretraining" and plan.tracking_uri == uri  # not the config's "vitsweep"
+
+
+def test_the_confusion_plots_title_names_the_model_its_ema_the_data_and_the_top1():
+    from pipeline.trained.evaluation import confusion_title
+
+    assert confusion_title("digits16", True, "val.beton", 93.456) == "digits16 (EMA) on val.beton: top-1 93.46%"
+    assert confusion_title("digits16", False, "val.beton", 50.0) == "digits16 on val.beton: top-1 50.00%"

@@ -274,7 +274,7 @@ def source_label(source: ModelSource, tracking_uri: str) -> str:
         return MlflowRun(tracking_uri, p.run_id).get().info.run_name or p.run_id
     if p.kind == "checkpoint_dir":
         return f"{Path(p.location).parent.name}/{Path(p.location).name}"
-    return Path(p.given.rstrip("/")).name or p.given
+    return Path(p.given).name or p.given  # pathlib drops a trailing slash
 
 
 def record_evaluation(plan: EvaluationPlan, evaluation: Evaluation, log_file: Path | None = None) -> RecordedEvaluation:
@@ -299,7 +299,7 @@ def record_evaluation(plan: EvaluationPlan, evaluation: Evaluation, log_file: Pa
     run.log_metrics(metrics, model_id=provenance.model_id,
                     dataset=dataset_reference(plan.data.val, plan.sidecar.sha256))
     classes = plan.classes
-    title = f"{label}{' (EMA)' if suffix else ''} on {data_name}: top-1 {evaluation.metrics['val_top1']:.2f}%"
+    title = confusion_title(label, bool(suffix), data_name, evaluation.metrics["val_top1"])
     run.log_texts({report.CONFUSION_CSV: report.confusion_csv(evaluation.confusion, classes),
                    report.PER_CLASS_CSV: report.per_class_csv(evaluation.confusion, classes),
                    report.PREDICTIONS_CSV: report.predictions_csv(evaluation.labels, evaluation.predicted,
@@ -311,6 +311,11 @@ def record_evaluation(plan: EvaluationPlan, evaluation: Evaluation, log_file: Pa
         run.log_artifact(log_file)
     run.end("FINISHED", "completed")
     return RecordedEvaluation(plan.tracking_uri, run.get().info.experiment_id, run.run_id, run_name)
+
+
+def confusion_title(label: str, ema: bool, data_name: str, top1: float) -> str:
+    """The confusion matrix plot's title: which model (its EMA?), on what, how well."""
+    return f"{label}{' (EMA)' if ema else ''} on {data_name}: top-1 {top1:.2f}%"
 
 
 def evaluation_params(plan: EvaluationPlan) -> dict[str, Any]:
