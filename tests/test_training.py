@@ -176,7 +176,8 @@ def test_the_first_epoch_that_reaches_the_target_records_the_time_and_the_spend_
     assert took / 3600 < metrics["cost/wall_hours_to_target"] < (reached[0].timestamp - run.info.start_time) / 3.6e6
     # 2 workers x 1 CPU: two CPU-core-hours an hour
     assert metrics["cost/accelerator_hours_to_target"] == pytest.approx(2 * metrics["cost/wall_hours_to_target"])
-    assert f"reached val_top1>={TARGET} at epoch {epoch}, after 0:" in result.stdout
+    assert re.search(rf"^reached val_top1>={TARGET} at epoch {epoch}, after \d+:\d\d and [\d.]+ CPU-core-hours$",
+                     result.stdout, re.M), result.stdout
     assert run.data.tags["cost.unit"] == "CPU-core-hours"
     assert metrics["cost/accelerator_hours"] < 2 * (run.info.end_time - run.info.start_time) / 3.6e6
 
