@@ -83,6 +83,19 @@ def test_a_window_whose_max_loss_exceeds_the_factor_times_the_running_median_is_
     assert spikes.count == 2
 
 
+def test_the_run_ends_at_its_limits_spike_and_says_why():
+    spikes = LossSpikes(factor=5.0, limit=2, history=4, warmup=3)
+    for mean, top in [(2.0, 2.0), (2.0, 2.0), (2.0, 2.0), (2.0, 11.0)]:  # median 2: 11 is over 5 x 2
+        spikes.observe(_window(mean, top))
+    assert spikes.count == 1 and not spikes.exhausted  # one of two
+    spikes.observe(_window(2.0, 10.5))
+    assert spikes.exhausted and spikes.cause == "2 loss spikes over 5x the running median"
+    unlimited = LossSpikes(factor=5.0, history=4, warmup=3)  # run.max_loss_spikes null: never
+    for mean, top in [(2.0, 2.0)] * 3 + [(2.0, 50.0)] * 5:
+        unlimited.observe(_window(mean, top))
+    assert unlimited.count == 5 and not unlimited.exhausted
+
+
 def _slow_loader(batches: int, sleep_s: float):
     for index in range(batches):
         time.sleep(sleep_s)

@@ -158,11 +158,12 @@ def step_measuring_grad_norm(engine, deepspeed_norm: bool) -> torch.Tensor | flo
 
 class LossSpikes:
     """Loss spikes: a logging window whose max loss exceeds ``factor`` x the running median of the windows
-    before it (the last ``history`` window means, once there are ``warmup`` of them). Every rank holds the
-    same reports, so every rank counts the same spikes and stops at the same step."""
+    before it (the last ``history`` window means, once there are ``warmup`` of them); the ``limit``-th spike
+    ends the run (None: none does). Every rank holds the same reports, so every rank counts the same spikes
+    and stops at the same step."""
 
-    def __init__(self, factor: float, history: int = 20, warmup: int = 3):
-        self.factor, self.warmup = factor, warmup
+    def __init__(self, factor: float, limit: int | None = None, history: int = 20, warmup: int = 3):
+        self.factor, self.limit, self.warmup = factor, limit, warmup
         self.means: deque[float] = deque(maxlen=history)
         self.count = 0
         self.median: float | None = None  # the running median the last window was held against
@@ -174,3 +175,13 @@ class LossSpikes:
         self.count += spiked
         self.means.append(report.loss_sum / report.steps)
         return spiked
+
+    @property
+    def exhausted(self) -> bool:
+        """The run has spiked as often as it may."""
+        return self.limit is not None and self.count >= self.limit
+
+    @property
+    def cause(self) -> str:
+        """Why the run stopped, said beside where (``run.diverged_at``)."""
+        return f"{self.count} loss spikes over {self.factor:g}x the running median"

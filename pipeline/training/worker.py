@@ -158,7 +158,7 @@ class Trainer:
         self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast)
 
         self.health = StepHealth(self.device, cfg.optim.grad_clip)
-        self.loss_spikes = LossSpikes(cfg.run.loss_spike_factor)
+        self.loss_spikes = LossSpikes(cfg.run.loss_spike_factor, cfg.run.max_loss_spikes)
         self.deepspeed_grad_norm = computes_grad_norm(self.engine)
         self.step_metrics = StepMetricsLog(self.plan.tracking_uri, self.plan.mlflow_run_id) if self.rank == 0 else None
         self.profiler = (StepProfiler(cfg.run.profile_steps, self.device,
@@ -317,8 +317,8 @@ class Trainer:
                 f"loss spike at step {self.engine.global_steps}: {report.loss_max:.4g}, over {run.loss_spike_factor:g}x "
                 f"the running median {self.loss_spikes.median:.4g} "
                 f"({count}{'' if run.max_loss_spikes is None else f' of {run.max_loss_spikes}'})")
-        if run.max_loss_spikes is not None and count >= run.max_loss_spikes:
-            raise LossDiverged(step, f"{count} loss spikes over {run.loss_spike_factor:g}x the running median")
+        if self.loss_spikes.exhausted:
+            raise LossDiverged(step, self.loss_spikes.cause)
 
     def leave_memory_snapshot(self) -> None:
         """What held this rank's memory as it ran out (``pipeline.components.memory_snapshot``), as the run's
