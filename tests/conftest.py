@@ -511,12 +511,11 @@ def screenshots(tmp_path) -> Path:
 
 @pytest.fixture
 def browser(server):
-    """Chromium on the test module's ``server`` as a visitor who has dismissed the MLflow Assistant panel;
-    nothing else is preset, so the model-training mode must come from the link."""
-    from webdriver import NO_ASSISTANT_PANEL, Browser
+    """Chromium on the test module's ``server`` as a first-time visitor: a fresh profile, nothing preset (MLflow
+    opens its Assistant panel on a first load), so the model-training mode must come from the link."""
+    from webdriver import Browser
 
     with Browser(width=1400, height=900) as chromium:
-        chromium.seed_local_storage(server, NO_ASSISTANT_PANEL)
         yield chromium
 
 

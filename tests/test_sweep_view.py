@@ -28,6 +28,29 @@ def test_the_parallel_coordinates_chart_runs_from_every_knob_into_the_metric():
     assert state["compareRunSections"][0]["columns"] == 1  # the page's width: one axis per knob
 
 
+def test_a_sweep_of_two_trials_has_no_parallel_coordinates_chart():
+    # each axis would span exactly the two trials' values: both lines on the chart's frame
+    state = sweep_view(load_space("finetune_lr_layer_decay"), "val_top1", "max", "parent", trials=2)
+    assert not _cards(state, "PARALLEL") and len(_cards(state, "SCATTER")) == 2
+    assert [s["name"] for s in state["compareRunSections"]] == ["val_top1 against each knob", "per epoch", MODEL_METRICS]
+    three = sweep_view(load_space("finetune_lr_layer_decay"), "val_top1", "max", "parent", trials=3)
+    assert len(_cards(three, "PARALLEL")) == 1
+
+
+@pytest.mark.parametrize("space", available_spaces())
+def test_the_metric_and_the_knobs_fit_a_1280_px_window_beside_the_assistant_panel(space):
+    state = sweep_view(load_space(space), "val_top1", "max", "parent", trials=8)
+    knobs = [c for c in state["selectedColumns"] if c.startswith("params.")]
+    # Run Name and Created stay pinned on the left; Duration goes after the knobs and the stop reason
+    assert state["columnOrder"] == ["attributes.`Run Name`", "runDateAndNestInfo", "metrics.`val_top1`", *knobs,
+                                    "tags.`stop_reason`", "duration"]
+    widths = state["columnWidths"]
+    # the table beside the open panel is 698 px wide in Chromium at 1280 px, 73 of them the row checkbox
+    assert 73 + widths["attributes.`Run Name`"] + widths["runDateAndNestInfo"] + widths["metrics.`val_top1`"] + sum(
+        widths[knob] for knob in knobs) <= 698
+    assert all(widths[knob] >= 70 for knob in knobs) and widths["attributes.`Run Name`"] >= 110  # still legible
+
+
 def test_the_metric_is_plotted_against_each_knob():
     state = sweep_view(load_space("fsne_code_size"), "val_loss", "min", "parent", trials=8)
     scatters = _cards(state, "SCATTER")

@@ -14,15 +14,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from PIL import Image
 
 from conftest import free_port
-
-# MLflow 3.17's UI keys (`useLocalStorage(key, version)` stores `${key}_v${version}` as JSON): on
-# loopback the UI opens its "MLflow Assistant" panel over a third of the page on first load.
-NO_ASSISTANT_PANEL = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False}
 
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C WebDriver key of an element reference
 
@@ -42,28 +37,20 @@ return {heading: (document.querySelector('h2') || {}).innerText || null,
         text: document.body.innerText};
 """
 
-# MLflow's parallel-coordinates chart (parcoord-es): its axes' names, and how many lines its canvas
-# draws where they leave the first axis and where they reach the last (distinct values there).
-PARALLEL_COORDINATES_JS = """
-const plot = document.querySelector('.parcoords');
-if (!plot || !plot.querySelector('canvas.foreground')) return null;
-const canvas = plot.querySelector('canvas.foreground');
-const box = canvas.getBoundingClientRect(), scale = canvas.width / box.width;
-const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
-const lines = x => {
-  const column = Math.round((x - box.left) * scale);
-  let count = 0, inside = false;
-  for (let y = 0; y < canvas.height; y++) {
-    const drawn = pixels[(y * canvas.width + column) * 4 + 3] > 16;
-    if (drawn && !inside) count++;
-    inside = drawn;
-  }
-  return count;
+# Each drawn "<knob> vs. <metric>" chart (Plotly, in MLflow's chart cards): its card's title, its plot area
+# [left, top, right, bottom] and its points' centres, in screen coordinates.
+SCATTER_CHARTS_JS = """
+const box = element => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+const title = plot => {
+  for (let node = plot.parentElement; node; node = node.parentElement)
+    if (node.innerText && node.innerText.includes(' vs. ')) return node.innerText.split('\\n')[0];
+  return '';
 };
-const axes = [...plot.querySelectorAll('.dimension')];
-const at = axes.map(axis => axis.querySelector('.domain').getBoundingClientRect().left);
-return {axes: axes.map(axis => axis.querySelector('.label').textContent),
-        leaving_first_axis: lines(at[0] + 3), reaching_last_axis: lines(at[at.length - 1] - 3)};
+return [...document.querySelectorAll('.js-plotly-plot')]
+  .map(plot => ({title: title(plot), area: box(plot.querySelector('.nsewdrag')),
+                 points: [...plot.querySelectorAll('.scatterlayer path.point')].map(point => {
+                   const [l, t, r, b] = box(point); return [(l + r) / 2, (t + b) / 2]; })}))
+  .filter(chart => chart.title.includes(' vs. ') && chart.points.length);
 """
 
 
@@ -149,15 +136,6 @@ class Browser:
 
     def open(self, url: str) -> None:
         self._session("POST", "/url", {"url": url})
-
-    def seed_local_storage(self, url: str, items: dict) -> None:
-        """Set localStorage for ``url``'s origin from a page of it that runs no app code (MLflow's
-        /health), so the app reads the values when it next starts; a hash URL on the app's own page
-        would not reload it."""
-        parts = urlsplit(url)
-        self.open(f"{parts.scheme}://{parts.netloc}/health")
-        self.script("for (const [k, v] of Object.entries(arguments[0])) localStorage.setItem(k, JSON.stringify(v));",
-                    items)
 
     def wait_for_text(self, *texts: str, timeout: float = 90.0) -> None:
         deadline, previous = time.monotonic() + timeout, None

@@ -362,9 +362,13 @@ def describe_sweep(sweep: Sweep) -> str:
     cfg = sweep.cfg
     trials = len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples
     description = (sweep.space.description or "search space").rstrip(".")  # a space's own sentence ends in one
+    charts = ("" if trials >= view.PARALLEL_MIN_TRIALS else
+              f" The chart view plots {cfg.tune.metric} against each knob; a parallel-coordinates chart needs "
+              f"{view.PARALLEL_MIN_TRIALS} trials or more.")
     return (f"Sweep **{sweep.space.name}**: {description}. {cfg.tune.searcher} over "
-            f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({trials} trials, {cfg.tune.scheduler}), "
-            f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode}).")
+            f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({counted(trials, 'trial')}, {cfg.tune.scheduler}), "
+            f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode})."
+            + charts)
 
 
 def describe_result(sweep: Sweep, best: report.TrialRow | None, found: importance.KnobImportance,

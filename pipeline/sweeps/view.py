@@ -11,7 +11,8 @@ so "system/node0"), appended below ours (``isAccordionReordered``: the order giv
 
 The sweep's charts, the first thing its chart view shows:
 - "<metric> across the knobs": a parallel-coordinates chart, the page's width, of every knob that
-  applies to every trial into the metric (a line per trial, coloured by the metric);
+  applies to every trial into the metric (a line per trial, coloured by the metric), for a sweep of
+  at least ``PARALLEL_MIN_TRIALS`` trials (the sweep's description says why a smaller one has none);
 - "<metric> against each knob": a scatter per knob (Plotly makes a numeric knob's axis numeric and a
   choice of names one category per value). Neither chart has a log axis in MLflow 3.17: a log-uniform
   knob is drawn by the log10 its trials log beside it (``spaces.log10_param``), evenly spread as sampled;
@@ -28,7 +29,17 @@ from pipeline.sweeps.report import SEED_KEY
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import PARENT_TAG
 
+# Each parallel axis spans its trials' values, so 2 trials' lines run along the chart's frame: an empty-looking box.
+PARALLEL_MIN_TRIALS = 3
 MODEL_METRICS = "Model metrics"  # the UI's own section of the metrics without a "section/" prefix
+
+# The runs table's columns by their ag-grid ids, and their widths in px. At 1280 px with the Assistant panel
+# open, the table is 698 px wide (measured in Chromium); the row checkbox takes 73 of them.
+TABLE_WIDTH, ROW_CHECKBOX_WIDTH = 698, 73
+RUN_NAME_COLUMN, CREATED_COLUMN = "attributes.`Run Name`", "runDateAndNestInfo"  # pinned: 190 and 150 px by default
+CREATED_WIDTH, METRIC_WIDTH = 130, 90  # "10 minutes ago"; a metric's first 7 digits
+RUN_NAME_WIDTHS, KNOB_WIDTHS = (110, 160), (70, 100)  # "layer_decay" needs 80
+DURATION_COLUMN, STOP_REASON_COLUMN = "duration", "tags.`stop_reason`"
 TRAIN_LOSS = "train_loss"
 
 
@@ -56,15 +67,17 @@ def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
     axis = {dim.key: log10_param(params[dim.key]) if dim.is_log else params[dim.key] for dim in knobs}
     everywhere = [dim for dim in knobs if not dim.when] or knobs  # a line needs a value on every axis
     across, against, per_epoch = "vitsweep-across-knobs", "vitsweep-against-each-knob", "vitsweep-per-epoch"
+    parallel = trials >= PARALLEL_MIN_TRIALS
     cards = [_card("PARALLEL", "vitsweep-parallel", across, trials, selectedParams=[axis[d.key] for d in everywhere],
-                   selectedMetrics=[metric], showAllRuns=True)]
+                   selectedMetrics=[metric], showAllRuns=True)] if parallel else []
     cards += [_card("SCATTER", f"vitsweep-scatter-{axis[dim.key]}", against, trials,
                     xaxis={"key": axis[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
               for dim in knobs]
     cards += [_line(f"vitsweep-line-{name}", per_epoch, trials, name) for name in dict.fromkeys([metric, TRAIN_LOSS])]
     # (uuid, name, cards per row): the parallel chart gets the whole width, one axis per knob
-    sections = [(across, f"{metric} across the knobs", 1), (against, f"{metric} against each knob", 3),
-                (per_epoch, "per epoch", 2), ("vitsweep-model-metrics", MODEL_METRICS, 3)]
+    sections = [(across, f"{metric} across the knobs", 1)] if parallel else []
+    sections += [(against, f"{metric} against each knob", 2), (per_epoch, "per epoch", 2),
+                 ("vitsweep-model-metrics", MODEL_METRICS, 3)]
     return {
         "compareRunCharts": cards,
         "compareRunSections": [{"uuid": uuid, "name": name, "display": True, "isReordered": False, "deleted": False,
@@ -78,11 +91,27 @@ def sweep_view(space: SearchSpace, metric: str, mode: str, parent_run_id: str, t
     """The whole saved view: the trials (children of the sweep's parent run), best first, the sweep's
     metric and a column per knob, and the chart view above.
 
-    MLflow 3.17's runs table pins Run Name, Created and Duration on the left and then shows every
-    selected metric before any param, so each other metric shown would push the knobs off a 1280-px
-    window: they are one click away (Columns), and in the sweep's summary and `vitsweep compare`."""
+    MLflow 3.17's runs table pins the row checkbox, Run Name and Created on the left and then shows every
+    selected metric before any param, so each other metric shown would push the knobs out of view: they
+    are one click away (Columns), and in the sweep's summary and `vitsweep compare`. The view also sets
+    the table's column order and widths (ag-grid's column state, which the view keeps): Duration after
+    the knobs, and the pinned columns narrowed so that the metric and the knobs fit the table a 1280-px
+    window leaves beside the Assistant panel, which MLflow opens on a visitor's first load."""
     rates = [EFFECTIVE_LR_PARAM] if set(space.keys) & set(RATE_INPUTS) else []  # as report.table shows them
-    columns = [f"metrics.`{metric}`", *(f"params.`{name}`" for name in [*param_names(space).values(), *rates]),
-               "tags.`stop_reason`"]
+    knobs = [f"params.`{name}`" for name in [*param_names(space).values(), *rates]]
+    columns = [f"metrics.`{metric}`", *knobs, STOP_REASON_COLUMN]
+    widths = _column_widths(columns[0], knobs)
     return {"searchFilter": f"tags.`{PARENT_TAG}` = '{parent_run_id}'", "orderByKey": f"metrics.`{metric}`",
-            "orderByAsc": mode == "min", "selectedColumns": columns, **chart_state(space, metric, trials)}
+            "orderByAsc": mode == "min", "selectedColumns": columns,
+            "columnOrder": [RUN_NAME_COLUMN, CREATED_COLUMN, *columns, DURATION_COLUMN], "columnWidths": widths,
+            **chart_state(space, metric, trials)}
+
+
+def _column_widths(metric_column: str, knob_columns: list[str]) -> dict[str, int]:
+    """Widths that fit the metric and the knobs beside the pinned columns in ``TABLE_WIDTH``: the knobs
+    share what is left (within ``KNOB_WIDTHS``), then the run name gives up what they still lack."""
+    left = TABLE_WIDTH - ROW_CHECKBOX_WIDTH - CREATED_WIDTH - METRIC_WIDTH
+    knob = max(KNOB_WIDTHS[0], min(KNOB_WIDTHS[1], (left - RUN_NAME_WIDTHS[1]) // max(len(knob_columns), 1)))
+    run_name = max(RUN_NAME_WIDTHS[0], min(RUN_NAME_WIDTHS[1], left - knob * len(knob_columns)))
+    return {RUN_NAME_COLUMN: run_name, CREATED_COLUMN: CREATED_WIDTH, metric_column: METRIC_WIDTH,
+            **dict.fromkeys(knob_columns, knob)}
