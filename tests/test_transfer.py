@@ -7,6 +7,7 @@ Sources here are models built and saved in the test (a ``ModelSource`` as the re
 source form the resolver reads is started from in ``test_model_source.py``.
 """
 import dataclasses
+import hashlib
 import json
 import math
 
@@ -476,6 +477,9 @@ def test_a_sweeps_trial_starts_from_the_file_its_sweep_saved_fitted_from_its_hea
     assert len({location, sweep_source_location(directory, "pretrained", True),
                 sweep_source_location(directory, "pretrained-2", False)}) == 3  # one file per source and EMA choice
     assert sweep_source_location(directory, "pretrained", False) == location
+    # the name a resumed sweep looks for, whichever vitsweep saved it: 16 hex digits of SHA-256, by hand
+    digest = hashlib.sha256("pretrained\nFalse".encode()).hexdigest()[:16]
+    assert location == f"{directory}/{digest}.safetensors"
     save_source(source, location)
     trial = saved_initial_weights(location, model, 5)
     assert trial.location == location and trial.source is None  # the workers read the file itself

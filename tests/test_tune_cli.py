@@ -263,7 +263,8 @@ def test_the_seed_table_reads_whole_best_configuration_first_in_the_metrics_dire
     from pipeline.sweeps.report import TrialRow, seed_table
 
     # val_loss is minimised: eit (0.30, 0.50) before vit (0.60, 0.80); each configuration's other metrics as means
-    trials = [("eit", 0, 0.30, 80.0), ("eit", 1, 0.50, 84.0), ("vit", 0, 0.60, 70.0), ("vit", 1, 0.80, 72.0)]
+    # (vit's trials come first: the table must reorder them in either direction)
+    trials = [("vit", 0, 0.60, 70.0), ("vit", 1, 0.80, 72.0), ("eit", 0, 0.30, 80.0), ("eit", 1, 0.50, 84.0)]
     rows = [TrialRow(f"t{i}", f"r{i}", "completed", "", {"model.name": model, "run.seed": seed}, 3,
                      {"val_loss": loss, "val_top1": top1, "val_top5": 99.0, "train_loss": 2 * loss}, 1.0, 0.01)
             for i, (model, seed, loss, top1) in enumerate(trials)]
@@ -273,7 +274,7 @@ def test_the_seed_table_reads_whole_best_configuration_first_in_the_metrics_dire
     # by hand: means 0.4 and 0.7, sample sd sqrt(0.02) = 0.1414, train_loss twice the loss
     assert body == [["eit", "2", "0.40 ± 0.14", "0.3", "0.5", "82", "99", "0.8"],
                     ["vit", "2", "0.70 ± 0.14", "0.6", "0.8", "71", "99", "1.4"]]
-    assert [line[0] for line in seed_table(rows, "val_loss", "max")[1]] == ["vit", "eit"]
+    assert [line[0] for line in seed_table(rows[::-1], "val_loss", "max")[1]] == ["vit", "eit"]
 
 
 def test_a_configuration_without_the_metric_has_no_spread_and_no_range():
