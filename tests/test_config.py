@@ -64,6 +64,8 @@ INVALID = [
     ("zero_stage_4", ["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
     ("loss_spike_factor_not_above_1", ["run.loss_spike_factor=1"], "run.loss_spike_factor"),
     ("zero_max_loss_spikes", ["run.max_loss_spikes=0"], "run.max_loss_spikes"),
+    ("distillation_temperature_without_soft", ["distill.tau=3"], "applies to kind=soft only"),
+    ("unknown_distillation_kind", ["distill.kind=token"], "distill.kind"),
     ("profile_of_zero_steps", ["run.profile=steps:0"], "run.profile"),
     ("profile_by_epochs", ["run.profile=epochs:1"], "run.profile"),
     ("profile_as_a_bare_number", ["run.profile=5"], "run.profile"),

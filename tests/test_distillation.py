@@ -1,4 +1,7 @@
-"""DeiT hard-label distillation: the teacher's argmax is the second target; bad teachers fail early."""
+"""DeiT's distillation: the teacher's argmax (hard) or softened distribution (soft) is the second target;
+bad teachers fail early."""
+import math
+
 import pytest
 import timm
 import torch
@@ -7,7 +10,7 @@ from safetensors.torch import save_model
 
 import models  # noqa: F401
 from pipeline.config.schema import DataConfig, DistillConfig
-from pipeline.components.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.distillation import DistillationLoss, build_teacher, soft_distillation
 from pipeline.errors import InvalidInputError
 
 
@@ -32,11 +35,29 @@ def test_teacher_is_frozen_and_loaded_from_its_checkpoint(teacher_checkpoint):
 
 def test_loss_mixes_task_loss_and_cross_entropy_to_teacher_argmax(teacher_checkpoint):
     teacher = build_teacher(_distill(teacher_checkpoint), num_classes=10)
-    loss_fn = HardDistillationLoss(torch.nn.CrossEntropyLoss(), teacher, alpha=0.25, data=DataConfig())
+    loss_fn = DistillationLoss(torch.nn.CrossEntropyLoss(), teacher, DistillConfig(alpha=0.25), data=DataConfig())
     images, logits, labels = torch.randn(4, 3, 16, 16), torch.randn(4, 10), torch.randint(0, 10, (4,))
     teacher_labels = teacher(images).argmax(-1)
     expected = 0.75 * F.cross_entropy(logits, labels) + 0.25 * F.cross_entropy(logits, teacher_labels)
     assert torch.allclose(loss_fn(logits, labels, images), expected)
+
+
+def test_soft_distillation_is_deits_kl_at_temperature_on_fixed_logits():
+    # two samples, three classes, tau = 2: softmax by hand of z / 2
+    student = torch.tensor([[2.0, 0.0, -2.0], [0.0, 0.0, 0.0]])
+    teacher = torch.tensor([[0.0, 2.0, 0.0], [4.0, 0.0, 0.0]])
+    e = math.e
+    p_s = [[e / (e + 1 + 1 / e), 1 / (e + 1 + 1 / e), (1 / e) / (e + 1 + 1 / e)], [1 / 3, 1 / 3, 1 / 3]]
+    p_t = [[1 / (2 + e), e / (2 + e), 1 / (2 + e)], [e**2 / (e**2 + 2), 1 / (e**2 + 2), 1 / (e**2 + 2)]]
+    kl = sum(t * math.log(t / s_) for row_t, row_s in zip(p_t, p_s) for t, s_ in zip(row_t, row_s))
+    assert soft_distillation(student, teacher, tau=2.0).item() == pytest.approx(kl * 4 / 6, rel=1e-6)
+    assert soft_distillation(teacher, teacher, tau=2.0).item() == pytest.approx(0.0, abs=1e-7)  # nothing to learn
+
+
+def test_tau_applies_to_soft_distillation_only():
+    with pytest.raises(ValueError, match="tau=3 applies to kind=soft only"):
+        DistillConfig(tau=3.0)
+    assert DistillConfig(kind="soft", tau=3.0).tau == 3.0
 
 
 def test_checkpoint_of_another_architecture_is_invalid_input(tmp_path):

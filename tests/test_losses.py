@@ -1,4 +1,5 @@
 """The training loss is one function of (model output, targets, images), whatever the recipe."""
+import numpy as np
 import pytest
 import timm
 import torch
@@ -9,7 +10,7 @@ import models  # noqa: F401
 from pipeline.config.schema import DataConfig, DistillConfig
 from pipeline.config.loading import load_config
 from pipeline.data.augment import BatchAugment
-from pipeline.components.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.distillation import DistillationLoss, build_teacher
 from pipeline.components.losses import TrainingLoss, build_training_loss
 
 
@@ -37,7 +38,7 @@ def test_distillation_applies_to_every_branch_with_one_teacher_pass(tmp_path):
                                           teacher_checkpoint=str(tmp_path / "teacher.safetensors")), num_classes=10)
     calls = []
     teacher.register_forward_hook(lambda *_: calls.append(1))
-    distillation = HardDistillationLoss(torch.nn.CrossEntropyLoss(), teacher, alpha=0.5, data=DataConfig())
+    distillation = DistillationLoss(torch.nn.CrossEntropyLoss(), teacher, DistillConfig(), data=DataConfig())
     images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     branches = (torch.randn(4, 10), torch.randn(4, 10))
     loss = TrainingLoss(torch.nn.CrossEntropyLoss(), distillation)(branches, labels, images)
@@ -110,6 +111,27 @@ def test_the_configured_distillation_loss_mixes_in_the_teachers_argmax_by_alpha(
     by_hand = sum(0.7 * _cross_entropy_by_hand(branch, LABELS) + 0.3 * _cross_entropy_by_hand(branch, teacher_labels)
                   for branch in (LOGITS, word_logits))
     torch.testing.assert_close(loss, by_hand)
+
+
+def test_the_configured_soft_distillation_mixes_in_the_teachers_softened_distribution_by_alpha(teacher):
+    model, checkpoint = teacher
+    cfg = _config("distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
+                  'distill.teacher_args={"img_size": 16, "depth": 1}', "distill.kind=soft", "distill.tau=3",
+                  "distill.alpha=0.1")  # DeiT's soft row (DeiT §5.2)
+    with torch.no_grad():
+        teacher_logits = model(IMAGES).double().numpy()
+    loss = _training_loss(cfg)(LOGITS, LABELS, IMAGES)
+    # by hand, in float64: KL(p_t || p_s) at tau = 3, summed, x tau^2 / (batch x classes) (DeiT's losses.py)
+    student = LOGITS.double().numpy()
+
+    def log_softmax(z):
+        z = z / 3.0
+        return z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+
+    log_t, log_s = log_softmax(teacher_logits), log_softmax(student)
+    soft = (np.exp(log_t) * (log_t - log_s)).sum() * 9.0 / student.size
+    expected = 0.9 * _cross_entropy_by_hand(LOGITS, LABELS).item() + 0.1 * soft
+    assert soft > 1e-4 and loss.item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_configured_teacher_runs_in_the_training_precision_it_is_given(teacher):

@@ -1,4 +1,5 @@
-"""DeiT hard-label distillation: a frozen teacher's argmax as a second target (DeiT §5.2)."""
+"""DeiT's distillation (DeiT §5.2): a frozen teacher's argmax (hard) or its softened distribution
+(soft) as a second target."""
 from __future__ import annotations
 
 import contextlib
@@ -41,27 +42,44 @@ def build_teacher(cfg: DistillConfig, num_classes: int, device: torch.device | s
     return teacher.eval()
 
 
-class HardDistillationLoss(nn.Module):
-    """(1 - alpha)·task_loss(student, targets) + alpha·CE(student, argmax teacher(images)).
+def hard_distillation(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """CE(student, argmax teacher)."""
+    return F.cross_entropy(logits, teacher_logits.argmax(dim=-1))
+
+
+def soft_distillation(logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """KL(softmax(teacher / tau) || softmax(student / tau)) * tau², summed and divided by the number of
+    logits (batch x classes), as DeiT's released losses.py does (timm's distillation task divides by the
+    batch alone: C times this)."""
+    divergence = F.kl_div(F.log_softmax(logits / tau, dim=-1), F.log_softmax(teacher_logits / tau, dim=-1),
+                          reduction="sum", log_target=True)
+    return divergence * tau * tau / logits.numel()
+
+
+class DistillationLoss(nn.Module):
+    """(1 - alpha)·task_loss(student, targets) + alpha·(hard or soft) distillation term.
 
     The teacher sees the same (augmented, mixed) images as the student, as in DeiT, in
     ``precision`` (an autocast context: the training precision; default fp32).
     """
 
-    def __init__(self, task_loss: nn.Module, teacher, alpha: float, data: DataConfig, precision=None):
+    def __init__(self, task_loss: nn.Module, teacher, cfg: DistillConfig, data: DataConfig, precision=None):
         super().__init__()
-        self.task_loss, self.teacher, self.alpha = task_loss, teacher, alpha
+        self.task_loss, self.teacher, self.alpha = task_loss, teacher, cfg.alpha
+        self.kind, self.tau = cfg.kind, cfg.tau
         self.precision = precision or contextlib.nullcontext()
         self.register_buffer("student_mean", torch.tensor(data.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("student_std", torch.tensor(data.std).view(1, 3, 1, 1), persistent=False)
 
-    def teacher_labels(self, images: torch.Tensor) -> torch.Tensor:
+    def teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), self.precision:
             teacher_input = self.teacher.normalize_input(images.float(), self.student_mean, self.student_std)
-            return self.teacher(teacher_input).argmax(dim=-1)
+            return self.teacher(teacher_input).float()
 
-    def mix(self, logits: torch.Tensor, targets: torch.Tensor, teacher_labels: torch.Tensor) -> torch.Tensor:
-        return (1 - self.alpha) * self.task_loss(logits, targets) + self.alpha * F.cross_entropy(logits, teacher_labels)
+    def mix(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        distilled = (hard_distillation(logits, teacher_logits) if self.kind == "hard"
+                     else soft_distillation(logits, teacher_logits, self.tau))
+        return (1 - self.alpha) * self.task_loss(logits, targets) + self.alpha * distilled
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
-        return self.mix(logits, targets, self.teacher_labels(images))
+        return self.mix(logits, targets, self.teacher_logits(images))

@@ -1,8 +1,8 @@
 """The training loss: one function of (model output, targets, images), whatever the recipe.
 
 The task loss matches the targets the batch augmentation produces (``BatchAugment.loss``: soft
-targets under Mixup/CutMix, label smoothing otherwise); DeiT hard distillation mixes in a frozen
-teacher's argmax. A model whose training forward returns a tuple of logits has several classifier
+targets under Mixup/CutMix, label smoothing otherwise); DeiT's distillation mixes in a frozen
+teacher's argmax (hard) or its softened distribution (soft). A model whose training forward returns a tuple of logits has several classifier
 branches, each trained on the targets (SoT's late fusion as its authors train it): their losses add.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from torch import nn
 
 from pipeline.config.schema import ExperimentConfig
 from pipeline.data.augment import BatchAugment
-from pipeline.components.distillation import HardDistillationLoss, build_teacher
+from pipeline.components.distillation import DistillationLoss, build_teacher
 
 
 class TrainingLoss(nn.Module):
-    def __init__(self, task_loss: nn.Module, distillation: HardDistillationLoss | None = None):
+    def __init__(self, task_loss: nn.Module, distillation: DistillationLoss | None = None):
         super().__init__()
         self.task_loss, self.distillation = task_loss, distillation
 
@@ -25,8 +25,8 @@ class TrainingLoss(nn.Module):
         branches = output if isinstance(output, (tuple, list)) else (output,)
         if self.distillation is None:
             return sum(self.task_loss(logits.float(), targets) for logits in branches)
-        teacher_labels = self.distillation.teacher_labels(images)  # once, whatever the number of branches
-        return sum(self.distillation.mix(logits.float(), targets, teacher_labels) for logits in branches)
+        teacher_logits = self.distillation.teacher_logits(images)  # once, whatever the number of branches
+        return sum(self.distillation.mix(logits.float(), targets, teacher_logits) for logits in branches)
 
 
 def build_training_loss(cfg: ExperimentConfig, augment: BatchAugment, num_classes: int, device: torch.device,
@@ -36,5 +36,5 @@ def build_training_loss(cfg: ExperimentConfig, augment: BatchAugment, num_classe
     if cfg.distill.teacher is None:
         return TrainingLoss(task_loss)
     teacher = build_teacher(cfg.distill, num_classes, device)
-    distillation = HardDistillationLoss(task_loss, teacher, cfg.distill.alpha, cfg.data, teacher_precision)
+    distillation = DistillationLoss(task_loss, teacher, cfg.distill, cfg.data, teacher_precision)
     return TrainingLoss(task_loss, distillation.to(device))

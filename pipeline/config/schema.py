@@ -466,13 +466,16 @@ class TuneConfig(_Section):
 
 
 class DistillConfig(_Section):
-    """DeiT hard-label distillation (papers 000, 002, 003 report distilled results): the student
-    learns from (1 - alpha)·task loss + alpha·CE(student, argmax teacher). No teacher: off."""
+    """DeiT's distillation (papers 000, 002, 003 report distilled results): the student learns from
+    (1 - alpha)·task loss + alpha·distillation loss, hard (CE to the teacher's argmax) or soft (KL to
+    the teacher's softmax at temperature tau). No teacher: off."""
 
     teacher: str | None = None  # a registered timm model name, e.g. regnety_160 (DeiT's teacher)
     teacher_args: dict[str, Any] = Field(default_factory=dict)  # its constructor overrides
     teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
+    kind: Literal["hard", "soft"] = "hard"  # DeiT's --distillation-type
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
+    tau: float = Field(1.0, gt=0.0)  # soft only; DeiT's main.py: 1.0 (its paper's soft row: 3.0 with alpha 0.1)
 
     _usable_checkpoint = field_validator("teacher_checkpoint")(_check_file)
 
@@ -487,6 +490,9 @@ class DistillConfig(_Section):
             raise ValueError(f"teacher={self.teacher!r} needs teacher_checkpoint (a random teacher teaches nothing)")
         if self.teacher is None and (self.teacher_checkpoint or self.teacher_args):
             raise ValueError("teacher_checkpoint / teacher_args are set but distill.teacher is not")
+        if self.kind == "hard" and self.tau != type(self).model_fields["tau"].default:  # a written-out config holds the default
+            raise ValueError(f"tau={self.tau:g} applies to kind=soft only (hard distillation takes the teacher's "
+                             "argmax): set distill.kind=soft, or leave tau out")
         return self
 
 
