@@ -28,6 +28,7 @@ class PaperFacts:
     top1: float | None = None  # reported ImageNet top-1 (%)
     img_size: int = 224  # resolution the reported numbers refer to
     row: str = ""  # the row's label in the paper's table
+    distillation_token: bool = False  # the row's model has DeiT's distillation token and head ("dist" rows)
 
 
 VARIANTS: dict[str, PaperFacts] = {}

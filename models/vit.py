@@ -2,6 +2,8 @@
 
 - ``deit_{tiny,small,base}_p16``: DeiT-Ti/S/B, timm's ``deit_*_patch16_224`` architectures.
 - ``armour_{tiny,small,base}``: the same with Armour attention, W_Q = W_V (paper 002 Eq. 2, Table 3).
+- ``deit_tiny_distilled_p16``, ``armour_tiny_distilled``: the same with DeiT's distillation token and head
+  (``DistilledViT``; paper 002 Table 1's "dist" rows), trained with a teacher (``distill.teacher``).
 - ``vit_mini_p4``: the plain ViT that paper 001 Table 6 compares EIT3/1/4-Mini with on 32 px data.
 
 Every variant takes the overrides of ``ViT`` (``qkv=``, ``head=`` and their options), e.g.
@@ -13,6 +15,7 @@ import dataclasses
 from functools import partial
 
 from timm.models import generate_default_cfgs, get_pretrained_cfg
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from models._registry import (
@@ -23,9 +26,9 @@ from models._registry import (
     register_variant,
 )
 from models.layers.qkv import QKVOverrideMixin
-from models.layers.heads import TokenHeadMixin
+from models.layers.heads import DistilledLogits, TokenHeadMixin
 
-__all__ = ["ViT"]
+__all__ = ["DistilledViT", "ViT"]
 
 
 class ViT(TokenHeadMixin, QKVOverrideMixin, VisionTransformer):
@@ -38,12 +41,29 @@ class ViT(TokenHeadMixin, QKVOverrideMixin, VisionTransformer):
     """
 
 
-def _create_vit(variant: str, timm_variant: str, pretrained: bool, **kwargs) -> ViT:
+class DistilledViT(QKVOverrideMixin, VisionTransformerDistilled):
+    """timm's VisionTransformerDistilled (DeiT's distillation token and head) with a choice of Q/K/V embedding.
+
+    It always trains with its token: in training mode it returns ``DistilledLogits`` (the class head's and
+    the distillation head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT.
+    With ``qkv="linear"`` it is timm's model, weight for weight. No ``head=`` override: the heads are DeiT's.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.set_distilled_training(True)
+
+    def forward_head(self, x, pre_logits: bool = False):
+        logits = super().forward_head(x, pre_logits=pre_logits)
+        return DistilledLogits(*logits) if isinstance(logits, tuple) else logits
+
+
+def _create_vit(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT, **kwargs) -> ViT:
     return build_on_timm_architecture(
-        ViT, variant, pretrained, timm_variant, partial(checkpoint_filter_fn, adapt_layer_scale=True), **kwargs)
+        model_cls, variant, pretrained, timm_variant, partial(checkpoint_filter_fn, adapt_layer_scale=True), **kwargs)
 
 
-def _create_armour(variant: str, timm_variant: str, pretrained: bool, **kwargs) -> ViT:
+def _create_armour(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT, **kwargs) -> ViT:
     if pretrained:
         raise ValueError(f"pretrained=True: there are no pretrained weights for {variant}")
     qkv = kwargs.setdefault("qkv", "armour")
@@ -53,7 +73,7 @@ def _create_armour(variant: str, timm_variant: str, pretrained: bool, **kwargs) 
         # DeiT's data config, without its weights (they are not Armour's).
         kwargs["pretrained_cfg"] = dataclasses.replace(
             get_pretrained_cfg(timm_variant), url="", hf_hub_id=None, architecture=variant, tag=None)
-    return _create_vit(variant, timm_variant, pretrained, **kwargs)
+    return _create_vit(variant, timm_variant, pretrained, model_cls, **kwargs)
 
 
 _DEIT_TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
@@ -98,6 +118,23 @@ def armour_small(pretrained: bool = False, **kwargs) -> ViT:
 def armour_base(pretrained: bool = False, **kwargs) -> ViT:
     """Armour-B: DeiT-B with W_Q = W_V in every block (paper 002 Table 3)."""
     return _create_armour("armour_base", "deit_base_patch16_224.fb_in1k", pretrained, **dict(_DEIT_BASE, **kwargs))
+
+
+# Paper 002 Table 1's distilled rows: DeiT-Ti and Armour-Ti with DeiT's distillation token (300 epochs there).
+@register_variant(PaperFacts(paper="002", family="vit", params=5.9e6, top1=73.8, row="DeiT-Ti dist",
+                             distillation_token=True))
+def deit_tiny_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledViT:
+    """DeiT-Ti with the distillation token: timm's ``deit_tiny_distilled_patch16_224``."""
+    return _create_vit("deit_tiny_distilled_p16", "deit_tiny_distilled_patch16_224.fb_in1k", pretrained,
+                       DistilledViT, **dict(_DEIT_TINY, **kwargs))
+
+
+@register_variant(PaperFacts(paper="002", family="vit", params=5.5e6, top1=73.8, row="Armour-Ti dist",
+                             distillation_token=True))
+def armour_tiny_distilled(pretrained: bool = False, **kwargs) -> DistilledViT:
+    """Armour-Ti with the distillation token (paper 002 Table 1)."""
+    return _create_armour("armour_tiny_distilled", "deit_tiny_distilled_patch16_224.fb_in1k", pretrained,
+                          model_cls=DistilledViT, **dict(_DEIT_TINY, **kwargs))
 
 
 default_cfgs = generate_default_cfgs({

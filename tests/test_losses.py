@@ -134,6 +134,57 @@ def test_the_configured_soft_distillation_mixes_in_the_teachers_softened_distrib
     assert soft > 1e-4 and loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def _distilled_student_config(checkpoint, *overrides: str):
+    """DeiT-Ti with the distillation token, one block at 16 px, distilled from the fixture's teacher."""
+    return _config("model.name=deit_tiny_distilled_p16", "model.args={patch_size: 4, depth: 1}",
+                   "distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
+                   'distill.teacher_args={"img_size": 16, "depth": 1}', *overrides)
+
+
+def test_a_distillation_token_learns_the_teacher_while_the_class_head_learns_the_labels(teacher):
+    from models.layers.heads import DistilledLogits
+
+    model, checkpoint = teacher
+    with torch.no_grad():
+        teacher_labels = model(IMAGES).argmax(-1)
+    dist_logits = LOGITS.flip(0)
+    loss = _training_loss(_distilled_student_config(checkpoint, "distill.alpha=0.3"))(
+        DistilledLogits(LOGITS, dist_logits), LABELS, IMAGES)
+    # DeiT's losses.py: the base loss on the class head's output, the distillation loss on the token's
+    by_hand = 0.7 * _cross_entropy_by_hand(LOGITS, LABELS) + 0.3 * _cross_entropy_by_hand(dist_logits, teacher_labels)
+    torch.testing.assert_close(loss, by_hand)
+
+
+def test_the_distillation_token_and_its_head_train(teacher):
+    from pipeline.components.modeling import build_model
+
+    _, checkpoint = teacher
+    cfg = _distilled_student_config(checkpoint)
+    torch.manual_seed(0)
+    student = build_model(cfg.model, 10).train()
+    loss_of = _training_loss(cfg)
+    before = {name: p.detach().clone() for name, p in student.named_parameters() if name in ("dist_token", "head_dist.weight")}
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(8):  # one fixed batch: the student fits it
+        optimizer.zero_grad()
+        loss = loss_of(student(IMAGES), LABELS, IMAGES)
+        loss.backward()
+        assert student.dist_token.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(not torch.equal(p, before[name]) for name, p in student.named_parameters() if name in before)
+    assert student.eval()(IMAGES).shape == (6, 10)  # one output at inference: the heads' mean
+
+
+def test_a_distillation_token_without_a_teacher_is_refused_before_any_training():
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="deit_tiny_distilled_p16 has DeiT's distillation token"):
+        _config("model.name=deit_tiny_distilled_p16", "model.args={patch_size: 4, depth: 1}")
+
+
 def test_the_configured_teacher_runs_in_the_training_precision_it_is_given(teacher):
     _, checkpoint = teacher
     cfg = _config("distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",

@@ -23,6 +23,48 @@ def test_params_match_paper_002_table_3_to_its_precision(name, paper_params_m):
     assert round(count_params(build_on_meta(name)) / 1e6, 1) == paper_params_m
 
 
+# Paper 002 Table 1's distilled rows: the models with DeiT's distillation token and head.
+PAPER_002_TABLE_1_DISTILLED = {"DeiT-Ti dist": ("deit_tiny_distilled_p16", 5.9),
+                               "Armour-Ti dist": ("armour_tiny_distilled", 5.5)}
+
+
+@pytest.mark.parametrize(("name", "paper_params_m"), PAPER_002_TABLE_1_DISTILLED.values(),
+                         ids=PAPER_002_TABLE_1_DISTILLED.keys())
+def test_distilled_params_match_paper_002_table_1_to_its_precision(name, paper_params_m):
+    assert round(count_params(build_on_meta(name)) / 1e6, 1) == paper_params_m
+
+
+def test_the_distillation_token_adds_timms_distilled_deits_parameters():
+    # timm's own DeiT-Ti with the token, counted: 5,910,800, the token and its position row (192 each) and a
+    # second head of 192 x 1000 + 1000 over DeiT-Ti's
+    timm_count = count_params(timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False))
+    assert count_params(build_on_meta("deit_tiny_distilled_p16")) == timm_count == 5_910_800
+    extra = 192 + 192 + 192 * 1000 + 1000
+    assert count_params(build_on_meta("deit_tiny_distilled_p16")) - count_params(build_on_meta("deit_tiny_p16")) == extra
+    assert count_params(build_on_meta("armour_tiny_distilled")) - count_params(build_on_meta("armour_tiny")) == extra
+
+
+def test_the_distilled_deit_is_timms_weight_for_weight_and_averages_both_heads_at_inference():
+    from models.layers.heads import DistilledLogits
+
+    small = dict(img_size=16, patch_size=4, depth=2, num_classes=10)
+    torch.manual_seed(0)
+    ours = timm.create_model("deit_tiny_distilled_p16", **small)
+    reference = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, **small)
+    reference.load_state_dict(ours.state_dict())
+    reference.set_distilled_training(True)
+    images = torch.randn(3, 3, 16, 16)
+    trained = ours.train()(images)
+    assert isinstance(trained, DistilledLogits)
+    torch.testing.assert_close(tuple(trained), reference.train()(images))
+    ours.eval()
+    with torch.no_grad():
+        tokens = ours.forward_features(images)  # [B, 2 + 16, 192]: the class token, then the distillation token
+        by_hand = (ours.head(tokens[:, 0]) + ours.head_dist(tokens[:, 1])) / 2
+        torch.testing.assert_close(ours(images), by_hand)
+        torch.testing.assert_close(ours(images), reference.eval()(images))
+
+
 def test_table_6_vit_matches_paper_001_row_1_1():
     # 3.798M at 10 classes; 0.515G printed at 2 FLOPs per multiply-add (the convention of that table).
     model = build_on_meta("vit_mini_p4")

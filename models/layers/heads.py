@@ -12,6 +12,7 @@ EIT and SoT here), the twin of ``models.layers.qkv.QKVOverrideMixin``:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -411,3 +412,11 @@ class TokenHeadMixin:
         if self.head_name == "linear":
             return super().forward_head(x, pre_logits=pre_logits)
         return self.head(self.head_drop(x), pre_logits=pre_logits)
+
+
+class DistilledLogits(NamedTuple):
+    """A distillation-token model's training output (DeiT §4): the class head's logits, trained on the
+    labels, and the distillation head's, trained on the teacher. At inference the model returns their mean."""
+
+    cls: torch.Tensor
+    dist: torch.Tensor

@@ -76,9 +76,13 @@ class DistillationLoss(nn.Module):
             teacher_input = self.teacher.normalize_input(images.float(), self.student_mean, self.student_std)
             return self.teacher(teacher_input).float()
 
-    def mix(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-        distilled = (hard_distillation(logits, teacher_logits) if self.kind == "hard"
-                     else soft_distillation(logits, teacher_logits, self.tau))
+    def mix(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor,
+            dist_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``dist_logits``: a distillation token's (DeiT §4), which learn the teacher where ``logits`` learn
+        the targets; without one, ``logits`` learn both."""
+        student = logits if dist_logits is None else dist_logits
+        distilled = (hard_distillation(student, teacher_logits) if self.kind == "hard"
+                     else soft_distillation(student, teacher_logits, self.tau))
         return (1 - self.alpha) * self.task_loss(logits, targets) + self.alpha * distilled
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor, images: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The task loss matches the targets the batch augmentation produces (``BatchAugment.loss``: soft
 targets under Mixup/CutMix, label smoothing otherwise); DeiT's distillation mixes in a frozen
-teacher's argmax (hard) or its softened distribution (soft). A model whose training forward returns a tuple of logits has several classifier
+teacher's argmax (hard) or its softened distribution (soft); a model with DeiT's distillation token
+trains its class head on the targets and its distillation head on the teacher. A model whose training forward returns a tuple of logits has several classifier
 branches, each trained on the targets (SoT's late fusion as its authors train it): their losses add.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers.heads import DistilledLogits
 from pipeline.config.schema import ExperimentConfig
 from pipeline.data.augment import BatchAugment
 from pipeline.components.distillation import DistillationLoss, build_teacher
@@ -22,6 +24,9 @@ class TrainingLoss(nn.Module):
 
     def forward(self, output: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
                 images: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DistilledLogits):  # DeiT's distillation token: its own head learns the teacher
+            teacher_logits = self.distillation.teacher_logits(images)
+            return self.distillation.mix(output.cls.float(), targets, teacher_logits, output.dist.float())
         branches = output if isinstance(output, (tuple, list)) else (output,)
         if self.distillation is None:
             return sum(self.task_loss(logits.float(), targets) for logits in branches)

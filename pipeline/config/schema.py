@@ -510,6 +510,17 @@ class ExperimentConfig(_Section):
     tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @model_validator(mode="after")
+    def _distillation_token_needs_a_teacher(self) -> ExperimentConfig:
+        from models._registry import VARIANTS
+
+        facts = VARIANTS.get(self.model.name)
+        if facts is not None and facts.distillation_token and self.distill.teacher is None:
+            raise ValueError(f"model.name={self.model.name} has DeiT's distillation token, which learns from a "
+                             "teacher: set distill.teacher and distill.teacher_checkpoint, or train the model "
+                             "without the token")
+        return self
+
+    @model_validator(mode="after")
     def _ema_needs_whole_parameters(self) -> ExperimentConfig:
         if self.optim.ema_decay is not None and self.deepspeed.zero_stage == 3:
             raise ValueError(
