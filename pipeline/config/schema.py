@@ -511,7 +511,7 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _distillation_token_needs_a_teacher(self) -> ExperimentConfig:
-        from models._registry import VARIANTS
+        from models import VARIANTS
 
         facts = VARIANTS.get(self.model.name)
         if facts is not None and facts.distillation_token and self.distill.teacher is None:
