@@ -1,5 +1,6 @@
 """FFCV loaders per split: batches, thread count, and exact coverage over 2 real gloo ranks."""
 import json
+from collections import Counter
 
 import numba
 import numpy as np
@@ -102,13 +103,22 @@ def _rank(rank, world_size, port, train_path, val_path, out_dir):
         for _, labels, num_real in val:
             real += [int(label) for label in labels[:num_real]]
             padded += len(labels) - num_real
+        # repeated augmentation (3 repeats): two epochs, then epoch 1 again as a run resumed there reads it
+        repeated = data.model_copy(update={"repeated_augmentation": 3})
+        ra = build_train_loader(repeated, train_path, batch_size=8, img_size=8, device="cpu", distributed=True, seed=7)
+        ra_epochs = [[int(label) for _, labels in ra for label in labels] for _ in range(2)]
+        resumed = build_train_loader(repeated, train_path, batch_size=8, img_size=8, device="cpu", distributed=True,
+                                     seed=7)
+        resumed.next_epoch = 1
+        ra_resumed = [int(label) for _, labels in resumed for label in labels]
         quasi_random_error = None
         try:
             build_train_loader(data.model_copy(update={"order": "quasi_random"}), train_path, 8, 8, "cpu",
                                distributed=True)
         except InvalidInputError as err:
             quasi_random_error = str(err)
-        record = {"epochs": epochs, "val_real": real, "val_padded": padded, "quasi_random_error": quasi_random_error}
+        record = {"epochs": epochs, "val_real": real, "val_padded": padded, "quasi_random_error": quasi_random_error,
+                  "repeated_epochs": ra_epochs, "repeated_resumed": ra_resumed}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -136,6 +146,20 @@ def test_distributed_train_order_is_reshuffled_every_epoch(two_ranks):
 def test_distributed_validation_counts_every_sample_exactly_once_despite_padding(two_ranks):
     assert sorted(two_ranks[0]["val_real"] + two_ranks[1]["val_real"]) == list(range(45))
     assert two_ranks[0]["val_padded"] + two_ranks[1]["val_padded"] == 1  # 45 samples, 2 ranks of 23
+
+
+def test_repeated_augmentation_shows_each_drawn_image_three_times_across_two_ranks_in_an_epoch_of_the_datasets_length(
+        two_ranks):
+    for epoch in range(2):
+        shards = [rank["repeated_epochs"][epoch] for rank in two_ranks]
+        assert len(shards[0]) == len(shards[1]) == 24  # 48 images: the epoch keeps the dataset's length
+        counts = Counter(shards[0] + shards[1])
+        assert set(counts.values()) == {3} and len(counts) == 16  # 16 images, each 3 times
+        # 3 repeats on 2 ranks: every image reaches both, and no rank holds more than 2 of its 3 copies
+        for image in counts:
+            assert sorted(shard.count(image) for shard in shards) == [1, 2], image
+    assert two_ranks[0]["repeated_epochs"][0] != two_ranks[0]["repeated_epochs"][1]  # a new draw each epoch
+    assert all(rank["repeated_resumed"] == rank["repeated_epochs"][1] for rank in two_ranks)  # resumed at epoch 1
 
 
 def test_quasi_random_order_is_refused_when_distributed(two_ranks):

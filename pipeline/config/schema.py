@@ -185,6 +185,9 @@ class DataConfig(_Section):
     num_workers: int = Field(2, ge=1, le=256)  # FFCV decoding threads per process
     # quasi_random reads pages in a RAM-sized window, but ffcv 1.0.2 cannot shard it across ranks.
     order: Literal["random", "sequential", "quasi_random"] = "random"
+    # Repeated augmentation (DeiT's and XCiT's RASampler, pipeline.data.repeated_augmentation): each image
+    # this many times per epoch, on different ranks, in an epoch of the dataset's length; null: off. XCiT: 3.
+    repeated_augmentation: int | None = Field(None, ge=2)
     os_cache: bool = True
     batches_ahead: int = Field(2, ge=1, le=64)
     drop_last: bool = True  # train only: validation always sees every sample exactly once
@@ -201,6 +204,13 @@ class DataConfig(_Section):
 
     _usable_locations = field_validator("train", "val")(_check_file)
     _usable_cache = field_validator("cache_dir")(_check_directory)
+
+    @model_validator(mode="after")
+    def _repeats_are_shuffled(self) -> DataConfig:
+        if self.repeated_augmentation is not None and self.order != "random":
+            raise ValueError(f"repeated_augmentation={self.repeated_augmentation} shuffles the epoch itself, so it "
+                             f"takes the place of order={self.order!r}: leave data.order at 'random'")
+        return self
 
     @field_validator("crop_scale", "crop_ratio")
     @classmethod

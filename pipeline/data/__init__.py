@@ -10,6 +10,7 @@ One concern per module:
 - ``staging``   ``stage_dataset``: a URI copied once per node into a node-local cache
 - ``ranged_reads`` ``copy_verified_ranges`` / ``verify_ranges``: parallel ranged reads, each chunk verified as it lands
 - ``loaders``   ``build_train_loader`` / ``build_val_loader``: FFCV pipelines from the data config
+- ``repeated_augmentation`` DeiT's RASampler as an ffcv traversal order (``data.repeated_augmentation``)
 - ``augment``   DeiT's recipe on the device: ``BatchAugment`` (random erasing, Mixup/CutMix), no FFCV
 - ``rand_augment_operation`` RandAugment as an FFCV pipeline operation
 - ``rand_augment`` timm's RandAugment batched on torch ops (per-sample ops and magnitudes)

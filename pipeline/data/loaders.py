@@ -26,6 +26,7 @@ from pipeline.config.schema import DataConfig
 from pipeline.data.rand_augment_operation import RandAugment
 from pipeline.data.integrity import check_beton
 from pipeline.data.runtime import ThreadCountPreservingLoader, preserved_torch_threads, stopped_at_exit
+from pipeline.data.repeated_augmentation import RepeatedAugmentation
 from pipeline.errors import InvalidInputError
 
 # ffcv after pipeline.data.runtime, which imports it keeping torch's thread count
@@ -164,7 +165,8 @@ def build_train_loader(
     augment_seed = seed * 65_537 + (dist.get_rank() if distributed else 0)
     return DeviceLoader(
         str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
-        order=ORDERS[data.order], distributed=distributed, seed=seed, drop_last=data.drop_last,
+        order=(RepeatedAugmentation(data.repeated_augmentation) if data.repeated_augmentation else ORDERS[data.order]),
+        distributed=distributed, seed=seed, drop_last=data.drop_last,
         batches_ahead=data.batches_ahead,
         pipelines=train_pipelines(data, img_size, torch.device(device), seed=augment_seed),
         device=torch.device(device), batches_per_step=batches_per_step,
