@@ -112,6 +112,18 @@ def test_a_new_resolution_resamples_the_learned_position_embedding_as_timm_does(
     assert f"pos_embed: {old[0]}x{old[1]} -> {new[0]}x{new[1]} tokens" in plan.summary()
 
 
+def test_a_distillation_tokens_position_row_is_kept_beside_the_class_tokens_at_a_new_resolution():
+    # DeiT with the distillation token: 2 prefix rows (class, distillation) before the 4 x 4 grid
+    small = ModelConfig(name="deit_tiny_distilled_p16", args={"patch_size": 4, "depth": 1}, img_size=16)
+    source = trained_source(small)
+    target, _, plan = start(source, with_source(small.model_copy(update={"img_size": 32})), num_classes=10)
+    assert plan.resampled == {"pos_embed": ((4, 4), (8, 8), 2)}
+    table = target.pos_embed.detach()
+    torch.testing.assert_close(table, resample_abs_pos_embed(source.weights["pos_embed"], [8, 8], [4, 4], 2))
+    torch.testing.assert_close(table[:, :2], source.weights["pos_embed"][:, :2])  # both tokens' rows, as they were
+    assert {"dist_token", "head_dist.weight"} <= set(plan.loaded)
+
+
 def test_xcit_takes_every_weight_at_a_new_resolution_its_fourier_encoding_and_conv_stem_included():
     source = trained_source(model_config("xcit"))
     target, _, plan = start(source, with_source(model_config("xcit", img_size=48)), num_classes=10)
