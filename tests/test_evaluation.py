@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -112,6 +113,11 @@ def test_the_confusion_matrix_per_class_table_and_predictions_agree_with_the_met
     assert sum(int(row["correct"]) for row in predictions) == np.trace(counts)
     assert {"confusion_matrix.png", "vitsweep.log"} <= {a.path for a in MlflowClient(logged_run.uri).list_artifacts(
         run.info.run_id)}
+    # the plot's title (the PNG's Title): the trained run's name, the data, top-1 as the run logged it
+    trained_name = MlflowClient(logged_run.uri).get_run(logged_run.run_id).info.run_name
+    with tempfile.TemporaryDirectory() as directory:
+        png = MlflowClient(logged_run.uri).download_artifacts(run.info.run_id, "confusion_matrix.png", directory)
+        assert Image.open(png).text["Title"] == f"{trained_name} on val.beton: top-1 {run.data.metrics['val_top1']:.2f}%"
 
 
 def test_the_console_says_what_was_evaluated_the_metrics_and_where_they_are(evaluated):
@@ -243,8 +249,8 @@ def test_an_evaluations_label_names_the_registry_entry_the_run_the_checkpoint_or
         "models:/digits/3": (_source("registered_model", "models:/digits/3", registered_name="digits",
                                      registered_version="3"), "digits/3"),
         "runs:": (_source("mlflow_run", f"runs:/{trained.run_id}/model", run_id=trained.run_id), "digits16"),
-        "checkpoint": (_source("checkpoint_dir", "runs/e2e/checkpoint_000001",
-                               location="/abs/runs/e2e/checkpoint_000001"), "e2e/checkpoint_000001"),
+        "checkpoint": (_source("checkpoint_dir", "runs/e2e/checkpoint_000001",  # of a run MLflow knows: still the path
+                               location="/abs/runs/e2e/checkpoint_000001", run_id=trained.run_id), "e2e/checkpoint_000001"),
         "file": (_source("safetensors", "/weights/best.safetensors/"), "best.safetensors"),
         "run name": (_source("run_name", "digits16", location="/abs/runs/digits16/x.safetensors",
                              run_id=trained.run_id), "digits16"),
@@ -406,6 +412,10 @@ def test_an_ema_evaluation_on_ray_workers_is_announced_and_described_as_such(log
     assert describe(plan, metrics, "logged") == (
         "Evaluation of **logged** (its EMA weights) on `val.beton` (360 images, 10 classes) at 16 px, center crop 1: "
         "top-1 12.50%, top-5 50.00%, loss 2.2500.")  # no run that trained it: no link
+    # a run without its experiment (or the reverse) makes no link either: it would open no page
+    for half in ({"run_id": "r1", "experiment_id": None}, {"run_id": None, "experiment_id": "7"}):
+        half_known = dataclasses.replace(_plan(logged_run, tmp_path, ema=True, **half), workers=2)
+        assert "trained by" not in describe(half_known, metrics, "logged"), half
 
 
 def test_a_registered_sources_entry_is_among_the_evaluations_params(logged_run, tmp_path):

@@ -134,3 +134,17 @@ def test_a_configuration_no_completed_trial_measured_the_metric_of_shows_no_rang
     header, (line,) = seed_table(rows, "val_loss", "min")
     assert dict(zip(header, line))["min"] == "" and dict(zip(header, line))["max"] == ""
     assert dict(zip(header, line))["val_top1 mean"] == "80"
+
+
+def test_the_spend_column_is_named_by_the_trials_one_unit_else_accelerator_hours():
+    def row(unit: str) -> TrialRow:
+        return TrialRow("t", "r", "completed", "", {"optim.lr": 1e-3}, 1, {"val_top1": 50.0}, 1.0, 0.01,
+                        accelerator_hours=0.5 if unit else None, cost_unit=unit)
+
+    def spend_header(rows: list[TrialRow]) -> str:
+        header, _ = table(rows, "val_top1", "max")
+        return header[header.index("gflops") + 1]
+
+    assert spend_header([row("GPU-hours"), row("")]) == "GPU_hours"  # a trial that never trained has no unit
+    assert spend_header([row("GPU-hours"), row("CPU-core-hours")]) == "accelerator_hours"  # a mixed sweep
+    assert spend_header([row(""), row("")]) == "accelerator_hours"

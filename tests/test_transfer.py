@@ -627,6 +627,9 @@ def test_exactly_as_many_misfits_as_are_shown_are_all_shown_and_a_bare_file_is_n
     assert message.startswith("model.init_from='pretrained' does not fit model.name='vit_mini_p4'")
     assert "12 weight(s) cannot be taken" in message and "more" not in message
     assert message.count("\n  ") == 12 + 1
+    lines = message.split("\n  ")
+    assert all(line.startswith("blocks.") and ": source [" in line for line in lines[1:13]), lines  # one misfit a line
+    assert lines[13].startswith("Leave weights at their fresh initialisation")
 
 
 def test_weights_planned_for_another_model_are_refused_naming_what_is_missing(tmp_path):

@@ -77,6 +77,6 @@ def plot_confusion(confusion: np.ndarray, classes: Sequence[str], title: str, pa
     axes.set_ylabel("true class")
     axes.set_title(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, metadata={"Title": title})  # the PNG says what it shows, for any viewer
     plt.close(figure)
     return path
