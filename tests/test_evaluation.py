@@ -277,6 +277,9 @@ def test_an_ema_evaluation_is_named_and_measured_as_the_emas_and_its_data_withou
     assert {key: run.data.metrics[key] for key in ("val_top1_ema", "val_top5_ema", "val_loss_ema")} == {
         "val_top1_ema": 50.0, "val_top5_ema": 90.0, "val_loss_ema": 1.5}
     assert "val_top1" not in run.data.metrics and plan.experiment == "vitsweep"
+    with tempfile.TemporaryDirectory() as directory:  # its plot says whose weights: the EMA's
+        png = MlflowClient(logged_run.uri).download_artifacts(recorded.run_id, "confusion_matrix.png", directory)
+        assert Image.open(png).text["Title"] == "logged (EMA) on val.beton: top-1 50.00%"
     MlflowClient(logged_run.uri).delete_run(recorded.run_id)  # the module's other tests count its evaluations
 
 
@@ -416,6 +419,23 @@ def test_an_ema_evaluation_on_ray_workers_is_announced_and_described_as_such(log
     for half in ({"run_id": "r1", "experiment_id": None}, {"run_id": None, "experiment_id": "7"}):
         half_known = dataclasses.replace(_plan(logged_run, tmp_path, ema=True, **half), workers=2)
         assert "trained by" not in describe(half_known, metrics, "logged"), half
+
+
+def test_a_source_that_names_no_store_is_recorded_in_the_configs_store_and_experiment(logged_run, tmp_path):
+    """A downloaded MLflow model directory knows its run but not its store: the evaluation goes to the
+    config's tracking URI and experiment."""
+    import mlflow
+
+    from pipeline.config.loading import load_config
+
+    location = MlflowClient(logged_run.uri).get_logged_model(logged_run.model_id).artifact_location
+    directory = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(tmp_path / "model"))
+    store = f"sqlite:///{tmp_path}/other.db"
+    plan = plan_evaluation(directory, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={store}", "tracking.experiment=evaluations",
+                                                 f"run.storage_path={tmp_path}"]))
+    assert plan.source.provenance.kind == "mlflow_model_dir" and plan.source.provenance.tracking_uri is None
+    assert plan.tracking_uri == store and plan.experiment == "evaluations"
 
 
 def test_a_registered_sources_entry_is_among_the_evaluations_params(logged_run, tmp_path):
