@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 import torch
 from mlflow.tracking import MlflowClient
@@ -436,6 +437,19 @@ def test_a_source_that_names_no_store_is_recorded_in_the_configs_store_and_exper
                                                  f"run.storage_path={tmp_path}"]))
     assert plan.source.provenance.kind == "mlflow_model_dir" and plan.source.provenance.tracking_uri is None
     assert plan.tracking_uri == store and plan.experiment == "evaluations"
+
+    # a card that records no preprocessing (written before cards did): the config's crop, mean and std, at
+    # the model's own size
+    mlmodel = Path(directory) / "MLmodel"
+    document = yaml.safe_load(mlmodel.read_text())
+    del document["metadata"]["vitsweep"]["preprocessing"]
+    mlmodel.write_text(yaml.safe_dump(document))
+    plan = plan_evaluation(directory, str(logged_run.data["val"]),
+                           load_config("smoke", [f"tracking.mlflow_uri={store}", f"run.storage_path={tmp_path}",
+                                                 "data.val_crop_ratio=0.5", "data.mean=[0.1, 0.2, 0.3]",
+                                                 "data.std=[0.4, 0.5, 0.6]"]))
+    pre = plan.preprocessing
+    assert (pre.img_size, pre.crop_ratio, tuple(pre.mean), tuple(pre.std)) == (16, 0.5, (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
 
 
 def test_a_registered_sources_entry_is_among_the_evaluations_params(logged_run, tmp_path):
