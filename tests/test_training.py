@@ -35,7 +35,7 @@ def _only_run(storage):
     return client, runs[0]
 
 
-# One run of the cluster job's engine (cluster/jobs/a100_8x8.yaml: ZeRO-2 in bf16) that also keeps an EMA of
+# One run of the cluster job's engine (cluster/jobs/a100_8x8.yaml: ZeRO-2 in bf16, repeated augmentation) that keeps an EMA of
 # the weights and, like the demo's first run, writes its offline dataset itself before training. It gives
 # its rate per 512 images, DeiT's way: 1.6e-2 x a global batch of 64 (2 workers x 32) / 512 = 2e-3. The
 # other engines train end to end elsewhere: ZeRO-1 in fp32 (the smoke preset's, most runs), ZeRO-3
@@ -52,7 +52,7 @@ def two_epoch_run(tmp_path_factory):
     result = run_vitsweep(train_command(
         storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{RATE_KEY}={RATE}",
         "deepspeed.zero_stage=2", "deepspeed.precision=bf16", "optim.ema_decay=0.9", "data.prepare=digits",
-        "run.profile=steps:2", f"run.target_metric=val_top1>={TARGET}",
+        "run.profile=steps:2", f"run.target_metric=val_top1>={TARGET}", "data.repeated_augmentation=3",
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
@@ -62,6 +62,8 @@ def test_training_reports_progress_and_where_the_run_is(two_epoch_run):
     storage, result = two_epoch_run
     assert "epoch 1/2  train_loss" in result.stdout and "epoch 2/2  train_loss" in result.stdout
     assert re.search(r"^epoch 1/2  step \d+/\d+  loss [\d.]+  \d+ img/s  eta \d+:\d\d$", result.stdout, re.M)
+    # repeated augmentation keeps the epoch's length: the 1,437 training digits, 718 per rank, 22 batches of 32
+    assert re.search(r"^epoch 1/2  step \d+/22  ", result.stdout, re.M)
     # piped (not a terminal), in order: each epoch's progress, its line, then the next epoch's progress
     order = [(int(epoch), kind == "train_loss")
              for epoch, kind in re.findall(r"^epoch (\d+)/2  (step|train_loss)", result.stdout, re.M)]
