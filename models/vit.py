@@ -58,12 +58,14 @@ class DistilledViT(QKVOverrideMixin, VisionTransformerDistilled):
         return DistilledLogits(*logits) if isinstance(logits, tuple) else logits
 
 
-def _create_vit(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT, **kwargs) -> ViT:
+def _create_vit(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT,
+                **kwargs) -> VisionTransformer:
     return build_on_timm_architecture(
         model_cls, variant, pretrained, timm_variant, partial(checkpoint_filter_fn, adapt_layer_scale=True), **kwargs)
 
 
-def _create_armour(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT, **kwargs) -> ViT:
+def _create_armour(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT,
+                   **kwargs) -> VisionTransformer:
     if pretrained:
         raise ValueError(f"pretrained=True: there are no pretrained weights for {variant}")
     qkv = kwargs.setdefault("qkv", "armour")

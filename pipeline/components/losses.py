@@ -3,8 +3,9 @@
 The task loss matches the targets the batch augmentation produces (``BatchAugment.loss``: soft
 targets under Mixup/CutMix, label smoothing otherwise); DeiT's distillation mixes in a frozen
 teacher's argmax (hard) or its softened distribution (soft); a model with DeiT's distillation token
-trains its class head on the targets and its distillation head on the teacher. A model whose training forward returns a tuple of logits has several classifier
-branches, each trained on the targets (SoT's late fusion as its authors train it): their losses add.
+trains its class head on the targets and its distillation head on the teacher. A model whose
+training forward returns a plain tuple of logits has several classifier branches, each trained on
+the targets (SoT's late fusion as its authors train it): their losses add.
 """
 from __future__ import annotations
 

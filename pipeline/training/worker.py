@@ -311,14 +311,14 @@ class Trainer:
     def loss_spiked(self, report: HealthReport, step: int) -> None:
         """Says so (rank 0: on the console for `train`, in the log for a sweep's trial); the
         ``run.max_loss_spikes``-th spike stops the run as diverged."""
-        run, count = self.cfg.run, self.loss_spikes.count
+        spikes = self.loss_spikes
         if self.rank == 0:
             (say if self.plan.announce else print)(
-                f"loss spike at step {self.engine.global_steps}: {report.loss_max:.4g}, over {run.loss_spike_factor:g}x "
-                f"the running median {self.loss_spikes.median:.4g} "
-                f"({count}{'' if run.max_loss_spikes is None else f' of {run.max_loss_spikes}'})")
-        if self.loss_spikes.exhausted:
-            raise LossDiverged(step, self.loss_spikes.cause)
+                f"loss spike at step {self.engine.global_steps}: {report.loss_max:.4g}, over {spikes.factor:g}x "
+                f"the running median {spikes.median:.4g} "
+                f"({spikes.count}{'' if spikes.limit is None else f' of {spikes.limit}'})")
+        if spikes.exhausted:
+            raise LossDiverged(step, spikes.cause)
 
     def leave_memory_snapshot(self) -> None:
         """What held this rank's memory as it ran out (``pipeline.components.memory_snapshot``), as the run's
