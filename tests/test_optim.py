@@ -87,6 +87,24 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lr_at(50, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5)
 
 
+def test_cooldown_holds_min_lr_after_a_cosine_that_ends_early():
+    # SoT's 310 epochs: timm's scheduler runs its cosine over --epochs (300) and holds lr_min for
+    # --cooldown-epochs (10) more. Here 10 epochs of 5 steps: warmup 2, cosine over steps 10..40, held 40..50.
+    cfg = OptimConfig(epochs=10, schedule=ScheduleConfig(warmup_epochs=2, warmup_lr=0.0, min_lr=1e-5, cooldown_epochs=2))
+    steps_per_epoch, total, peak = 5, 50, 1e-3
+    assert lr_at(10, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-3)
+    assert lr_at(25, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert lr_at(40, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5)
+    assert lr_at(47, total, steps_per_epoch, cfg, peak) == pytest.approx(1e-5)
+
+
+def test_a_cooldown_needs_a_cosine_and_room_for_it():
+    with pytest.raises(ValueError, match="name='constant' has none"):
+        ScheduleConfig(name="constant", cooldown_epochs=10)
+    with pytest.raises(ValueError, match="leave no epoch of the 10 for the cosine"):
+        OptimConfig(epochs=10, schedule=ScheduleConfig(warmup_epochs=5, cooldown_epochs=5))
+
+
 def test_warmup_starts_from_warmup_lr():
     cfg = OptimConfig(lr=1e-3, epochs=4, schedule=ScheduleConfig(warmup_epochs=1, warmup_lr=1e-4, min_lr=0.0))
     assert lr_at(0, 40, 10, cfg, peak_lr=1e-3) == pytest.approx(1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config.loading import available_presets, load_config
+from pipeline.config.papers import paper_recipes, resolve
 from pipeline.components.lr_scaling import describe_lr, recorded_params
 
 
@@ -11,7 +12,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """--config / --set, shared by every command that takes an experiment config."""
     parser.add_argument(
         "--config", "-c", default=None, metavar="PRESET_OR_YAML",
-        help=f"a preset ({', '.join(available_presets())}) or a YAML file; default: 'default'",
+        help=f"a preset ({', '.join(available_presets())}), a paper's recipe (paper:NNN[:ROW], rows in `vitsweep "
+             "config diff --against paper:NNN`) or a YAML file; default: 'default'",
     )
     parser.add_argument(
         "--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -62,6 +64,19 @@ def add_parser(commands) -> None:
     add_config_arguments(validate)
     validate.set_defaults(run=_validate)
 
+    diff = actions.add_parser(
+        "diff", help="List every key in which the config departs from a paper's recipe, the paper's value beside it.",
+        description="Compares the resolved config (with the global batch and peak rate it trains at) with a paper's "
+                    "ImageNet-1k recipe, key by key, each paper value with where it is printed (or, where the paper "
+                    "is silent, the authors' code it comes from). Without :ROW, the paper's row for the config's "
+                    "model. A finished run's config: --config RUN_DIR/config.yaml, as `vitsweep train` saved it.",
+    )
+    add_config_arguments(diff)
+    diff.add_argument("--against", required=True, metavar="paper:NNN[:ROW]",
+                      help="the paper's recipe: " + ", ".join(f"paper:{key} ({recipe.title})"
+                                                              for key, recipe in paper_recipes().items()))
+    diff.set_defaults(run=_diff)
+
 
 def _show(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
@@ -84,6 +99,45 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes); "
           f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}{start}")
     return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from pipeline.config.papers import departures
+
+    recipe, row_name = resolve(args.against)
+    cfg = load_config(args.config, args.overrides)
+    flat = {**cfg.flat(), **recorded_params(cfg.optim, cfg.scaling.num_workers)}
+    row = recipe.row(row_name) if row_name else recipe.row_of(flat)
+    found = departures(flat, recipe, row)
+    compared = len(recipe.values(row))
+    print(f"{args.config or 'default'} against {recipe.describe(row)}")
+    if not row_name and flat["model.name"] != recipe.values(row)["model.name"].value:
+        print(f"(no row of paper {recipe.paper} trains {flat['model.name']}: compared with its first row)")
+    if not found:
+        print(f"no departure: all {compared} keys of the recipe hold its values")
+        return 0
+    print(f"{len(found)} of {compared} keys depart{'s' if len(found) == 1 else ''}:")
+    rows = [("KEY", "PAPER", "THIS CONFIG", "WHERE THE PAPER'S VALUE IS FROM")]
+    rows += [(d.key, "(model default)" if d.paper is None else _shown(d.paper), _shown(d.config), d.source)
+             for d in found]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for line in rows:
+        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[3])
+    others = [name for name in recipe.rows if name != row.name]
+    if others:
+        print(f"other rows of paper {recipe.paper}: {', '.join(others)}")
+    return 0
+
+
+def _shown(value) -> str:
+    """A value as a config file writes it: null, numbers without float noise, lists in brackets."""
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(item) for item in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _initial_weights(cfg) -> str:

@@ -21,18 +21,14 @@ start, MLflow records it beside the knob the user gave (``recorded_params``), an
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pipeline.config.schema import OptimConfig
+from pipeline.config.schema import EFFECTIVE_LR_PARAM, GLOBAL_BATCH_PARAM, LR_REFERENCE_BATCH, OptimConfig
 
 DEFAULT_LR = 5e-4  # the rate of a config giving neither optim.lr nor optim.lr_per_512: DeiT's, absolute
-REFERENCE_BATCH = 512  # optim.lr_per_512 is the rate at this global batch (DeiT: 5e-4 per 512)
 LINEAR_VALIDATED_BATCH = 1024  # DeiT's and XCiT's global batch: the sqrt rule is linear up to here
 # The config keys a per-batch rate's effective value depends on, besides the world size.
 RATE_INPUTS = ("optim.lr_per_512", "optim.lr_scaling", "optim.micro_batch_size", "optim.grad_accum_steps")
-EFFECTIVE_LR_PARAM = "optim.lr_effective"  # MLflow params: derived values, beside the config's own keys
-GLOBAL_BATCH_PARAM = "optim.global_batch_size"
 
 
 def global_batch_size(optim: OptimConfig, world_size: int) -> int:
@@ -47,9 +43,9 @@ def effective_lr(optim: OptimConfig, world_size: int) -> float:
         return DEFAULT_LR if optim.lr is None else optim.lr
     batch = global_batch_size(optim, world_size)
     if optim.lr_scaling == "linear":
-        return optim.lr_per_512 * batch / REFERENCE_BATCH
+        return optim.lr_per_512 * batch / LR_REFERENCE_BATCH
     linear_part = min(batch, LINEAR_VALIDATED_BATCH)
-    return optim.lr_per_512 * linear_part / REFERENCE_BATCH * math.sqrt(batch / linear_part)
+    return optim.lr_per_512 * linear_part / LR_REFERENCE_BATCH * math.sqrt(batch / linear_part)
 
 
 def describe_lr(optim: OptimConfig, world_size: int) -> str:
@@ -62,9 +58,9 @@ def describe_lr(optim: OptimConfig, world_size: int) -> str:
         given = "optim.lr" if optim.lr is not None else "no optim.lr or optim.lr_per_512 given: DeiT's default"
         return f"{geometry}; lr {rate:.3g} ({given}, absolute: the same at any batch)"
     if optim.lr_scaling == "linear" or batch <= LINEAR_VALIDATED_BATCH:
-        arithmetic = f"{optim.lr_per_512:g} x {batch}/{REFERENCE_BATCH}"
+        arithmetic = f"{optim.lr_per_512:g} x {batch}/{LR_REFERENCE_BATCH}"
     else:
-        arithmetic = (f"{optim.lr_per_512:g} x {LINEAR_VALIDATED_BATCH}/{REFERENCE_BATCH} x "
+        arithmetic = (f"{optim.lr_per_512:g} x {LINEAR_VALIDATED_BATCH}/{LR_REFERENCE_BATCH} x "
                       f"sqrt({batch}/{LINEAR_VALIDATED_BATCH})")
     return f"{geometry}; lr {rate:.3g} = optim.lr_per_512 {arithmetic} ({optim.lr_scaling} scaling)"
 

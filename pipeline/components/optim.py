@@ -38,14 +38,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
 
 
 def lr_at(step: int, total_steps: int, steps_per_epoch: int, cfg: OptimConfig, peak_lr: float) -> float:
-    """Learning rate at optimizer step ``step``: linear warmup from warmup_lr to ``peak_lr``, then cosine to min_lr."""
+    """Learning rate at optimizer step ``step``: linear warmup from warmup_lr to ``peak_lr``, then cosine to min_lr,
+    reached ``cooldown_epochs`` before the end and held there."""
     schedule = cfg.schedule
     warmup_steps = round(schedule.warmup_epochs * steps_per_epoch)
+    cosine_end = total_steps - round(schedule.cooldown_epochs * steps_per_epoch)
     if step < warmup_steps:
         return schedule.warmup_lr + (peak_lr - schedule.warmup_lr) * step / warmup_steps
     if schedule.name == "constant":
         return peak_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = (step - warmup_steps) / max(1, cosine_end - warmup_steps)
     return schedule.min_lr + 0.5 * (peak_lr - schedule.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 

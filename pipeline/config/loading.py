@@ -15,7 +15,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipeline import uris
-from pipeline.config.schema import SECRET_VALUE_ERROR, ExperimentConfig
+from pipeline.config import papers
+from pipeline.config.schema import (EFFECTIVE_LR_PARAM, GLOBAL_BATCH_PARAM, LR_REFERENCE_BATCH, SECRET_VALUE_ERROR,
+    ExperimentConfig)
 from pipeline.errors import ConfigError
 from pipeline.uris import location_problem
 
@@ -27,12 +29,15 @@ def available_presets() -> list[str]:
 
 
 def _read_yaml(source: str) -> dict[str, Any]:
-    """A preset name (``smoke``) or a path to a YAML file."""
+    """A preset name (``smoke``), a paper's row (``paper:003:xcit_small_12_p16``) or a path to a YAML file."""
+    if papers.is_paper_spec(source):
+        return paper_tree(source)
     path = Path(source)
     if path.suffix not in (".yaml", ".yml"):
         if source not in available_presets():
             raise ConfigError(
-                f"config {source!r} is neither a preset ({', '.join(available_presets())}) nor a .yaml file"
+                f"config {source!r} is neither a preset ({', '.join(available_presets())}), a paper's recipe "
+            "(paper:NNN[:ROW]) nor a .yaml file"
             )
         path = PRESET_DIR / f"{source}.yaml"
     problem = location_problem(path, kind="file")
@@ -265,6 +270,18 @@ def validate(tree: dict[str, Any]) -> ExperimentConfig:
     except ValidationError as err:
         lines = [_describe(e) for e in err.errors(include_url=False)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def paper_tree(spec: str) -> dict[str, Any]:
+    """The config tree training ``paper:NNN[:ROW]`` (default: the paper's first row): its setup with the
+    row's cited values. The paper's rate is given per 512 images, scaled linearly: the paper's own global
+    batch trains at its rate exactly, and another split of it over GPUs needs no edit."""
+    recipe, row_name = papers.resolve(spec)
+    row = recipe.row(row_name) if row_name else next(iter(recipe.rows.values()))
+    values = {key: cited.value for key, cited in recipe.values(row).items()}
+    batch, rate = values.pop(GLOBAL_BATCH_PARAM), values.pop(EFFECTIVE_LR_PARAM)
+    per_512 = {"optim.lr": None, "optim.lr_per_512": rate * LR_REFERENCE_BATCH / batch, "optim.lr_scaling": "linear"}
+    return with_dotted({}, {**recipe.setup, **row.setup, **values, **per_512})
 
 
 def load_config(source: str | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

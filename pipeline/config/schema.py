@@ -246,6 +246,23 @@ class ScheduleConfig(_Section):
     warmup_epochs: float = Field(5.0, ge=0.0)
     warmup_lr: float = Field(1e-6, ge=0.0)  # the warmup rises linearly from here to the peak
     min_lr: float = Field(1e-5, ge=0.0)  # the cosine falls from the peak to here
+    # The last epochs held at min_lr after the cosine has reached it (timm's --cooldown-epochs: SoT's
+    # main.py trains its 300-epoch cosine plus 10 such epochs, the 310 of its Table S-3). cosine only.
+    cooldown_epochs: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _cooldown_follows_a_cosine(self) -> ScheduleConfig:
+        if self.cooldown_epochs and self.name != "cosine":
+            raise ValueError(f"cooldown_epochs={self.cooldown_epochs:g} holds the rate at min_lr after a cosine; "
+                             f"name={self.name!r} has none: set name=cosine or cooldown_epochs=0")
+        return self
+
+
+# The two values a run derives from its optim section and world size (pipeline.components.lr_scaling), under the
+# dotted keys MLflow records them by beside the config's own; paper recipes (pipeline.config.papers) cite them.
+EFFECTIVE_LR_PARAM = "optim.lr_effective"
+GLOBAL_BATCH_PARAM = "optim.global_batch_size"
+LR_REFERENCE_BATCH = 512  # optim.lr_per_512 is the rate at this global batch (DeiT: 5e-4 per 512)
 
 
 class OptimConfig(_Section):
@@ -295,6 +312,14 @@ class OptimConfig(_Section):
                 f"optim.lr_scaling={self.lr_scaling!r} scales optim.lr_per_512, which is {given}; give "
                 "optim.lr_per_512 (and optim.lr=null) for a rate that follows the global batch"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_fits_the_epochs(self) -> OptimConfig:
+        schedule = self.schedule
+        if schedule.cooldown_epochs and schedule.warmup_epochs + schedule.cooldown_epochs >= self.epochs:
+            raise ValueError(f"schedule.warmup_epochs={schedule.warmup_epochs:g} + schedule.cooldown_epochs="
+                             f"{schedule.cooldown_epochs:g} leave no epoch of the {self.epochs} for the cosine")
         return self
 
     @field_validator("betas")
