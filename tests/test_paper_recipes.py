@@ -201,3 +201,20 @@ def test_values_compare_as_numbers_and_lists_not_as_text():
 def test_an_unknown_paper_or_row_is_refused_with_the_list(spec, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(spec)
+
+
+def test_a_sweeps_summary_names_its_closest_paper_row_and_departures_besides_its_knobs():
+    from pipeline.sweeps.summary import describe_recipe
+
+    cfg = row_config("004", "sot_tiny", ["optim.epochs=30", "model.args.mgcrp_heads=4"])
+    assert describe_recipe(cfg, {"model.args.mgcrp_heads"}) == (
+        "Recipe: closest to paper 004 (SoT), row sot_tiny: Table 5, SoT-Tiny (7.7M, 80.3%); besides the knobs "
+        "searched it departs in 1 key (`vitsweep config diff --against paper:004:sot_tiny` lists each with its "
+        "source): optim.epochs 310 → 30.")
+    # a searched rate or batch moves the rate the config trains at: not a departure of the base config's
+    for knob in ("optim.lr_per_512", "optim.micro_batch_size"):
+        searched = row_config("002", "armour_tiny", [f"{knob}=64"])
+        assert "departs" not in describe_recipe(searched, {knob}), knob
+    assert describe_recipe(row_config("002", "armour_tiny"), set()) == (
+        "Recipe: paper 002 (Armour), row armour_tiny: Table 1, Armour-Ti (5.3M, 72.0%), with no departure besides "
+        "the knobs searched.")

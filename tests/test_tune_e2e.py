@@ -431,6 +431,9 @@ def test_the_sweep_records_its_trials_spend_summed_its_best_trials_and_the_cheap
     assert re.search(r"^trial +state +lr_per_512 +.* +CPU_core_hours +reason", result.stdout, re.M)
     summary = _download(client, parent.info.run_id, "summary.html", storage)
     assert "<h2>What it cost (CPU-core-hours)</h2>" in summary and "Pareto front over CPU-core-hours" in summary
+    # the recipe it ran under: the smoke config is closest to a paper row, its searched rate not a departure
+    recipe = re.search(r"<p>Recipe: closest to paper (\d{3}) .*? departs in (\d+) keys .*?</p>", summary)
+    assert recipe and "optim.lr_effective" not in recipe[0] and "optim.epochs" in recipe[0], summary[:3000]
 
 
 def test_a_resume_under_a_budget_already_spent_starts_no_trial_and_stops_resumable_saying_why(asha_sweep):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config.loading import available_presets, load_config
-from pipeline.config.papers import paper_recipes, resolve
+from pipeline.config.papers import paper_recipes, resolve, shown
 from pipeline.components.lr_scaling import describe_lr, recorded_params
 
 
@@ -118,7 +118,7 @@ def _diff(args: argparse.Namespace) -> int:
         return 0
     print(f"{len(found)} of {compared} keys depart{'s' if len(found) == 1 else ''}:")
     rows = [("KEY", "PAPER", "THIS CONFIG", "WHERE THE PAPER'S VALUE IS FROM")]
-    rows += [(d.key, "(model default)" if d.paper is None else _shown(d.paper), _shown(d.config), d.source)
+    rows += [(d.key, "(model default)" if d.paper is None else shown(d.paper), shown(d.config), d.source)
              for d in found]
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for line in rows:
@@ -127,17 +127,6 @@ def _diff(args: argparse.Namespace) -> int:
     if others:
         print(f"other rows of paper {recipe.paper}: {', '.join(others)}")
     return 0
-
-
-def _shown(value) -> str:
-    """A value as a config file writes it: null, numbers without float noise, lists in brackets."""
-    if value is None:
-        return "null"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_shown(item) for item in value) + "]"
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _initial_weights(cfg) -> str:

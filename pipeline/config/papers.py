@@ -154,6 +154,27 @@ def same(paper: Any, config: Any) -> bool:
     return math.isclose(paper, config, rel_tol=1e-9) if numbers else paper == config
 
 
+def shown(value: Any) -> str:
+    """A value as a config file writes it: null, true, numbers without float noise, lists in brackets."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(shown(item) for item in value) + "]"
+    return str(value)
+
+
+def closest_row(flat: dict[str, Any], ignored: set[str]) -> tuple[PaperRecipe, PaperRow, list[Departure]]:
+    """The shipped paper row a config's flat values depart from least in the keys not ``ignored`` (the first
+    such in paper and row order), with those departures."""
+    candidates = [(recipe, row, [d for d in departures(flat, recipe, row) if d.key not in ignored])
+                  for recipe in paper_recipes().values() for row in recipe.rows.values()]
+    return min(candidates, key=lambda candidate: len(candidate[2]))
+
+
 def departures(flat: dict[str, Any], recipe: PaperRecipe, row: PaperRow) -> list[Departure]:
     """Where a config's flat values (``ExperimentConfig.flat()`` with the derived rate and batch, as MLflow
     records them) leave the row's recipe, in the recipe's order; then any model argument the paper's

@@ -319,7 +319,7 @@ class OptimConfig(_Section):
         schedule = self.schedule
         if schedule.cooldown_epochs and schedule.warmup_epochs + schedule.cooldown_epochs >= self.epochs:
             raise ValueError(f"schedule.warmup_epochs={schedule.warmup_epochs:g} + schedule.cooldown_epochs="
-                             f"{schedule.cooldown_epochs:g} leave no epoch of the {self.epochs} for the cosine")
+                             f"{schedule.cooldown_epochs:g} leave no epoch of the {self.epochs} for the cosine: lower either")
         return self
 
     @field_validator("betas")

@@ -437,7 +437,8 @@ def finish_sweep(sweep: Sweep, parent: MlflowRun, results: list, interrupted: bo
             parent.log_artifact(path, "plots")
         state = "stopped at its budget" if budget_stop else "interrupted" if interrupted else "finished"
         parent.log_texts({summary.SUMMARY_NAME: summary.summary_html(
-            sweep.name, state, describe_sweep(sweep), all_rows, metric, mode, best, found, bars_path, written, spent)})
+            sweep.name, state, describe_sweep(sweep), summary.describe_recipe(cfg, set(sweep.space.keys)), all_rows,
+            metric, mode, best, found, bars_path, written, spent)})
     if found.assessed:
         names = short_keys(found.importances)
         parent.log_metrics({f"importance/{names[key]}": share for key, share in found.importances.items()})

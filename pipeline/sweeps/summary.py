@@ -12,6 +12,9 @@ import html
 import re
 from pathlib import Path
 
+from pipeline.components.lr_scaling import EFFECTIVE_LR_PARAM, GLOBAL_BATCH_PARAM, RATE_INPUTS, recorded_params
+from pipeline.config.papers import closest_row, shown
+from pipeline.config.schema import ExperimentConfig
 from pipeline.sweeps.importance import KnobImportance, format_importance
 from pipeline.sweeps.report import REPORTED, TrialRow, cell, has_seeds, knob_keys, seed_table, table
 from pipeline.sweeps.spaces import short_keys
@@ -71,12 +74,29 @@ def _spend(spend: SweepSpend, metric: str, plots: list[Path]) -> str:
     return "".join(parts)
 
 
-def summary_html(name: str, state: str, description: str, rows: list[TrialRow], metric: str, mode: str,
+def describe_recipe(cfg: ExperimentConfig, knobs: set[str]) -> str:
+    """The paper recipe a sweep's base config is closest to, and where it departs from it besides its knobs."""
+    flat = {**cfg.flat(), **recorded_params(cfg.optim, cfg.scaling.num_workers)}
+    derived = {EFFECTIVE_LR_PARAM: {"optim.lr", "scaling.num_workers", *RATE_INPUTS},
+               GLOBAL_BATCH_PARAM: {"optim.micro_batch_size", "optim.grad_accum_steps", "scaling.num_workers"}}
+    searched = knobs | {key for key, inputs in derived.items() if knobs & inputs}  # a knob moves what it derives
+    recipe, row, found = closest_row(flat, searched)
+    diff = f"`vitsweep config diff --against paper:{recipe.paper}:{row.name}` lists each with its source"
+    if not found:
+        return f"Recipe: {recipe.describe(row)}, with no departure besides the knobs searched."
+    listed = ", ".join(f"{d.key} {'(model default)' if d.paper is None else shown(d.paper)} → {shown(d.config)}" for d in found)
+    return (f"Recipe: closest to {recipe.describe(row)}; besides the knobs searched it departs in "
+            f"{len(found)} key{'s' if len(found) > 1 else ''} ({diff}): {listed}.")
+
+
+def summary_html(name: str, state: str, description: str, recipe: str, rows: list[TrialRow], metric: str, mode: str,
                  best: TrialRow | None, found: KnobImportance, importance_plot: Path | None,
                  plots: list[Path], spend: SweepSpend) -> str:
-    """The page: ``rows`` are every trial and pruned sample, ``plots`` the sweep's figures."""
+    """The page: ``recipe`` is ``describe_recipe``'s line, ``rows`` every trial and pruned sample, ``plots`` the
+    sweep's figures."""
     trials = [r for r in rows if r.run_id]
     parts = [f"<h1>Sweep {html.escape(name)} ({html.escape(state)})</h1>", f"<p>{_markdown_inline(description)}</p>",
+             f"<p>{_markdown_inline(recipe)}</p>",
              "<h2>Best configuration</h2>", _best(best, metric),
              "<h2>Which knob mattered</h2>", f"<pre>{html.escape(format_importance(found))}</pre>"]
     if importance_plot is not None:
