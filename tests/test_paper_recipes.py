@@ -2,10 +2,13 @@
 (the citation beside it), the ones the papers leave to the authors' code said so; every row trains as a
 preset at the paper's global batch and rate; `vitsweep config diff` lists where a config departs."""
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import readme_block, readme_shell_env
 
 from pipeline.cli import main
 from pipeline.components.lr_scaling import recorded_params
@@ -218,3 +221,16 @@ def test_a_sweeps_summary_names_its_closest_paper_row_and_departures_besides_its
     assert describe_recipe(row_config("002", "armour_tiny"), set()) == (
         "Recipe: paper 002 (Armour), row armour_tiny: Table 1, Armour-Ti (5.3M, 72.0%), with no departure besides "
         "the knobs searched.")
+
+
+def test_the_readmes_recipe_commands_run_as_written_and_say_what_it_says():
+    outputs = []
+    for command in readme_block("### The papers' recipes"):
+        done = subprocess.run(command, shell=True, cwd=REPO, env=readme_shell_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (command, done.stderr)
+        outputs.append(done.stdout)
+    job, changed, shown = outputs
+    assert "2 of 30 keys depart" in job and "optim.global_batch_size" in job and "optim.lr_effective" in job
+    assert "1 of 30 keys departs" in changed and "optim.epochs" in changed
+    assert "epochs: 1200" in shown and "teacher: regnety_160" in shown

@@ -69,7 +69,7 @@ def add_parser(commands) -> None:
         description="Compares the resolved config (with the global batch and peak rate it trains at) with a paper's "
                     "ImageNet-1k recipe, key by key, each paper value with where it is printed (or, where the paper "
                     "is silent, the authors' code it comes from). Without :ROW, the paper's row for the config's "
-                    "model. A finished run's config: --config RUN_DIR/config.yaml, as `vitsweep train` saved it.",
+                    "model. A finished run's config: its MLflow artifact config.yaml, downloaded, as --config.",
     )
     add_config_arguments(diff)
     diff.add_argument("--against", required=True, metavar="paper:NNN[:ROW]",
