@@ -53,6 +53,7 @@ def two_epoch_run(tmp_path_factory):
         storage, data, "run.name=e2e", "optim.epochs=2", "optim.lr=null", f"{RATE_KEY}={RATE}",
         "deepspeed.zero_stage=2", "deepspeed.precision=bf16", "optim.ema_decay=0.9", "data.prepare=digits",
         "run.profile=steps:2", f"run.target_metric=val_top1>={TARGET}", "data.repeated_augmentation=3",
+        "data.progressive.start_size=8", "data.progressive.end_epoch=2",  # epoch 1's crops at 8 px, epoch 2's at 16
     ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, result
@@ -250,6 +251,20 @@ def test_mlflow_run_has_one_step_per_epoch_for_each_metric(two_epoch_run):
     client, run = _only_run(two_epoch_run[0])
     for metric in METRICS:
         assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [1, 2], metric  # from 1
+
+
+def test_progressive_resolution_trains_each_epoch_at_its_size_says_so_and_evaluates_at_the_models(two_epoch_run):
+    storage, result = two_epoch_run
+    client, run = _only_run(storage)
+    # data.progressive: 8 px up to start_epoch 1, model.img_size (16) from end_epoch 2, rounded to the 8-px patch
+    sizes = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_img_size")}
+    assert sizes == {1: 8, 2: 16}
+    assert "epoch 1/2  training crops at 8 px (data.progressive: 16 px from epoch 2; validation at 16 px)" in result.stdout
+    assert "epoch 2/2  training crops at 16 px" in result.stdout
+    # validation and the model it hands on are at model.img_size: the card every checkpoint records says 16
+    final = resolve_model_source("e2e", storage_path=storage, tracking_uri=f"sqlite:///{storage}/mlflow.db")
+    assert final.card.model.img_size == 16 and run.data.params["model.img_size"] == "16"
+    assert len(client.get_metric_history(run.info.run_id, "val_top1")) == 2
 
 
 def test_mlflow_run_is_tagged_with_the_environment(two_epoch_run):

@@ -91,13 +91,15 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from pipeline.components.modeling import check_model
+    from pipeline.components.modeling import check_model, checked_training_sizes, describe_sizes
 
     cfg = load_config(args.config, args.overrides)
     params = check_model(cfg.model)
+    crops = ("" if cfg.data.progressive is None else
+             f"; training crops {describe_sizes(checked_training_sizes(cfg.model, cfg.data.progressive, cfg.optim.epochs))}")
     start = f"; starts from {_initial_weights(cfg)}" if cfg.model.init_from else ""
     print(f"config ok: model {cfg.model.name} builds and runs with {params / 1e6:.2f}M parameters (1000 classes); "
-          f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}{start}")
+          f"{describe_lr(cfg.optim, cfg.scaling.num_workers)}{crops}{start}")
     return 0
 
 

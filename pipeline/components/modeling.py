@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import models  # noqa: F401  (registers vitsweep's variants with timm)
-from pipeline.config.schema import ModelConfig
+from pipeline.config.schema import ModelConfig, ProgressiveResolutionConfig
+from pipeline.data.progressive_resolution import training_sizes
 from pipeline.errors import ConfigError
 
 
@@ -85,3 +86,45 @@ def checked_model(cfg: ModelConfig, num_classes: int = 1000) -> nn.Module:
 def check_model(cfg: ModelConfig, num_classes: int = 1000) -> int:
     """Raise a ConfigError naming ``model.*`` unless the model builds and runs; returns its parameter count."""
     return sum(p.numel() for p in checked_model(cfg, num_classes).parameters())
+
+
+def patch_step(model: nn.Module) -> int:
+    """Pixels along a side per token of the model's patch grid: a crop size that is a multiple of it tiles
+    whole patches (timm's ``patch_embed.patch_size``; EIT's overlapping stem: image over grid)."""
+    embed = model.patch_embed
+    patch = getattr(embed, "patch_size", None)
+    if patch is not None:
+        return patch if isinstance(patch, int) else patch[0]
+    return embed.img_size[0] // embed.grid_size[0]
+
+
+def checked_training_sizes(cfg: ModelConfig, progressive: ProgressiveResolutionConfig, epochs: int) -> list[int]:
+    """Each epoch's crop size under ``data.progressive``, the model built and run at every one of them on the
+    meta device; a ConfigError naming the first size it cannot train at (a ViT's fixed position table, ...)."""
+    model = checked_model(cfg)
+    sizes = training_sizes(progressive, cfg.img_size, epochs, patch_step(model))
+    for size in sorted(set(sizes)):
+        try:
+            with torch.no_grad():
+                model.eval()(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:
+            pass  # an op without a meta kernel: nothing more to learn on the meta device
+        except Exception as err:  # noqa: BLE001  (timm's forward passes assert; any failure is a bad config)
+            hint = (" (timm's ViTs take other sizes with model.args.dynamic_img_size=true)"
+                    if "doesn't match model" in str(err) else "")
+            epoch = sizes.index(size) + 1
+            raise ConfigError(f"data.progressive: {cfg.name} cannot train at {size} px, the crop size of epoch {epoch} "
+                              f"(sizes: {describe_sizes(sizes)}): {_reason(err)}{hint}") from None
+    return sizes
+
+
+def describe_sizes(sizes: list[int]) -> str:
+    """Each epoch's crop size, as runs: "8 px epochs 1-2, 16 px epochs 3-4"."""
+    runs: list[tuple[int, int, int]] = []
+    for epoch, size in enumerate(sizes, start=1):
+        if runs and runs[-1][0] == size:
+            runs[-1] = (size, runs[-1][1], epoch)
+        else:
+            runs.append((size, epoch, epoch))
+    return ", ".join(f"{size} px epoch{'s' if first != last else ''} {first}{f'-{last}' if first != last else ''}"
+                     for size, first, last in runs)

@@ -171,6 +171,25 @@ class AugmentConfig(_Section):
         return spec
 
 
+class ProgressiveResolutionConfig(_Section):
+    """Progressive resizing (ffcv-imagenet's ``resolution`` section): the training crops grow from
+    ``start_size`` to ``model.img_size``, linearly from epoch ``start_epoch`` (its last epoch at
+    ``start_size``) to ``end_epoch`` (its first at ``model.img_size``), each size rounded to the model's
+    patch; the epochs from ``end_epoch`` on and every evaluation run at ``model.img_size``. Epochs count
+    from 1, as the console counts them (``pipeline.data.progressive_resolution``)."""
+
+    start_size: int = Field(ge=8, le=1024)
+    start_epoch: int = Field(1, ge=1)
+    end_epoch: int = Field(ge=2)
+
+    @model_validator(mode="after")
+    def _ramp_goes_forward(self) -> ProgressiveResolutionConfig:
+        if self.start_epoch >= self.end_epoch:
+            raise ValueError(f"start_epoch={self.start_epoch} must come before end_epoch={self.end_epoch}: the "
+                             "crops grow between them")
+        return self
+
+
 class DataConfig(_Section):
     """FFCV datasets and loader options; paths may be local or URIs (s3://, gs://, file://).
 
@@ -188,6 +207,9 @@ class DataConfig(_Section):
     # Repeated augmentation (DeiT's and XCiT's RASampler, pipeline.data.repeated_augmentation): each image
     # this many times per epoch, on different ranks, in an epoch of the dataset's length; null: off. XCiT: 3.
     repeated_augmentation: int | None = Field(None, ge=2)
+    # Training crops that grow over the epochs up to model.img_size (ProgressiveResolutionConfig); null: every
+    # epoch at model.img_size.
+    progressive: ProgressiveResolutionConfig | None = None
     os_cache: bool = True
     batches_ahead: int = Field(2, ge=1, le=64)
     drop_last: bool = True  # train only: validation always sees every sample exactly once
@@ -553,6 +575,19 @@ class ExperimentConfig(_Section):
             raise ValueError(f"model.name={self.model.name} has DeiT's distillation token, which learns from a "
                              "teacher: set distill.teacher and distill.teacher_checkpoint, or train the model "
                              "without the token")
+        return self
+
+    @model_validator(mode="after")
+    def _progressive_resolution_ends_at_the_models_size(self) -> ExperimentConfig:
+        progressive = self.data.progressive
+        if progressive is None:
+            return self
+        if progressive.start_size >= self.model.img_size:
+            raise ValueError(f"data.progressive.start_size={progressive.start_size} must be below model.img_size="
+                             f"{self.model.img_size}, the size the crops grow to")
+        if progressive.end_epoch > self.optim.epochs:
+            raise ValueError(f"data.progressive.end_epoch={progressive.end_epoch} is past optim.epochs="
+                             f"{self.optim.epochs}: the run would end before training at model.img_size")
         return self
 
     @model_validator(mode="after")

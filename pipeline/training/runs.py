@@ -51,7 +51,7 @@ from pipeline.training.jobs import git_provenance
 from pipeline.trained.serving import log_model
 from pipeline.components.lr_scaling import describe_lr, effective_lr, recorded_params
 from pipeline.components.model_card import ModelCard
-from pipeline.components.modeling import build_model, checked_model
+from pipeline.components.modeling import build_model, checked_model, checked_training_sizes
 from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG, RunCost, cost_unit
 from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.training.nccl_hangs import detect_nccl_hangs
@@ -237,6 +237,8 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
     facts = ModelFacts.measure(cfg.model, data.num_classes)
+    if cfg.data.progressive is not None:  # the model must run at every crop size, not only model.img_size
+        checked_training_sizes(cfg.model, cfg.data.progressive, cfg.optim.epochs)
     if cfg.distill.teacher is not None:
         build_teacher(cfg.distill, data.num_classes)  # its checkpoint must fit before any worker loads it
     storage = cfg.run.storage_path

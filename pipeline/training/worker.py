@@ -26,6 +26,7 @@ from pipeline.config.schema import ExperimentConfig
 from pipeline.console import duration, say, say_progress
 from pipeline.data.augment import BatchAugment
 from pipeline.data.loaders import build_train_loader, build_val_loader
+from pipeline.data.progressive_resolution import set_training_size, training_sizes
 from pipeline.data.runtime import quiet_numba_finalizers
 from pipeline.data.staging import cache_dir_for, stage_dataset
 from pipeline.components.accelerator import math_mode, mfu, peak_tflops, prepare_gpu_worker, training_tflops
@@ -35,7 +36,7 @@ from pipeline.components.engine import (compile_engine, deepspeed_config, input_
     low_precision_autocast, use_the_environments_ninja)
 from pipeline.components.losses import build_training_loss
 from pipeline.components.metrics import validation_metrics
-from pipeline.components.modeling import build_model
+from pipeline.components.modeling import build_model, patch_step
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.components.memory_snapshot import write_memory_snapshot
 from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
@@ -137,6 +138,9 @@ class Trainer:
                                  TransferPlan.from_dict(self.plan.init_weights["plan"]))
         if cfg.model.freeze == "backbone":
             freeze_backbone(model)
+        # data.progressive: each epoch's crop size, rounded to this model's patch (the driver ran the model at each)
+        self.training_sizes = (training_sizes(cfg.data.progressive, cfg.model.img_size, cfg.optim.epochs, patch_step(model))
+                               if cfg.data.progressive is not None else None)
         optimizer = build_optimizer(model, cfg.optim, self.plan.lr)
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
@@ -242,6 +246,7 @@ class Trainer:
         # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
             started = time.perf_counter()
+            self.resize_crops(epoch)
             try:
                 stats = self.train_epoch(epoch)
             except LossDiverged as diverged:
@@ -255,9 +260,20 @@ class Trainer:
                        "tflops_per_sec": training_tflops(self.plan.gmacs_per_image, images_per_sec),
                        **({} if self.peak_tflops is None
                           else {"mfu": mfu(self.plan.gmacs_per_image, images_per_sec, self.peak_tflops)}),
+                       **({} if self.training_sizes is None else {"train_img_size": self.training_sizes[epoch]}),
                        **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
             self.end_epoch(epoch, {**metrics, **initial} if epoch == 0 else metrics)
+
+    def resize_crops(self, epoch: int) -> None:
+        """Progressive resolution: the epoch's training crop size, said on the console where it changes."""
+        if self.training_sizes is None:
+            return
+        size, final = self.training_sizes[epoch], self.cfg.model.img_size
+        set_training_size(self.train_loader, size)
+        if self.rank == 0 and self.plan.announce and (epoch == self.start_epoch or size != self.training_sizes[epoch - 1]):
+            say(f"epoch {epoch + 1}/{self.cfg.optim.epochs}  training crops at {size} px (data.progressive: "
+                f"{final} px from epoch {self.cfg.data.progressive.end_epoch}; validation at {final} px)")
 
     def train_epoch(self, epoch: int) -> EpochStats:
         self.engine.train()
