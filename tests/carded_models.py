@@ -51,10 +51,15 @@ def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: S
     return f"runs:/{run.run_id}/model"
 
 
-def card_probabilities(model: torch.nn.Module, images: np.ndarray) -> torch.Tensor:
-    """Class probabilities of 32 px uint8 images [N, 32, 32, 3] fed as the card says, by hand: the central
-    16 x 16 square (rows and columns 8..23), to 0-1, minus the mean, over the std."""
+def card_logits(model: torch.nn.Module, images: np.ndarray) -> torch.Tensor:
+    """Logits of 32 px uint8 images [N, 32, 32, 3] fed as the card says, by hand: the central 16 x 16
+    square (rows and columns 8..23), to 0-1, minus the mean, over the std."""
     crops = images[:, 8:24, 8:24].astype(np.float64) / 255.0
     normalised = ((crops - np.array(CARD_MEAN)) / np.array(CARD_STD)).transpose(0, 3, 1, 2)
     with torch.no_grad():
-        return model(torch.tensor(normalised, dtype=torch.float32)).softmax(dim=1)
+        return model(torch.tensor(np.ascontiguousarray(normalised), dtype=torch.float32))
+
+
+def card_probabilities(model: torch.nn.Module, images: np.ndarray) -> torch.Tensor:
+    """Class probabilities of ``card_logits``."""
+    return card_logits(model, images).softmax(dim=1)

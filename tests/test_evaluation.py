@@ -28,7 +28,7 @@ from pipeline.trained.model_source import ModelSource, Provenance
 from pipeline.tracking.store import MlflowStore, command_line
 from pipeline.components.metrics import ConfusionTally
 from pipeline.components.metrics import validation_metrics
-from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
+from carded_models import card_logits, card_probabilities, carded_smoke_model, log_in_new_store
 from conftest import per_test_under_mutation
 from test_data_images import NoiseSource
 
@@ -235,6 +235,35 @@ def test_evaluate_feeds_the_model_as_its_card_says_in_eval_mode_each_sample_once
     assert evaluation.data.metrics["val_top1"] == pytest.approx(100.0 * np.mean(expected.numpy() == source.labels))
 
 
+def test_flip_tta_averages_each_images_logits_with_its_mirror_images(tmp_path, capsys):
+    """The same 21 squares with --flip-tta: each sample's probabilities are the softmax of the mean of the
+    model's logits for its crop and for the crop mirrored left-right (the central crop of a mirrored image
+    is the mirrored central crop), by hand."""
+    source = Squares32()
+    write_beton(source, tmp_path / "squares.beton", WriteOptions(write_mode="raw"), num_workers=1)
+    model = carded_smoke_model(10, seed=5)
+    uri, model_uri = log_in_new_store(tmp_path, model, source.classes)
+
+    assert main(["evaluate", model_uri, "--data", str(tmp_path / "squares.beton"), "--flip-tta",
+                 "--set", f"tracking.mlflow_uri={uri}", "--set", f"run.storage_path={tmp_path}"]) == 0
+    assert "crop 0.5, each image's logits averaged with its mirror image's (flip TTA); this process" in (
+        capsys.readouterr().out)
+    client = MlflowClient(uri)
+    (evaluation,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id],
+                                       f"tags.`{ROLE_TAG}` = '{ROLE}'")
+    rows = list(csv.DictReader(io.StringIO(Path(client.download_artifacts(
+        evaluation.info.run_id, "predictions.csv", str(tmp_path))).read_text())))
+    images = np.stack([source.load_image(i) for i in range(21)])
+    averaged = (card_logits(model, images) + card_logits(model, images[:, :, ::-1])) / 2
+    probability, expected = averaged.softmax(dim=1).max(dim=1)
+    assert [int(row["predicted"]) for row in rows] == expected.tolist()
+    assert [float(row["probability"]) for row in rows] == pytest.approx(probability.tolist(), rel=1e-5)
+    unflipped = card_probabilities(model, images).max(dim=1).values
+    assert not np.allclose(unflipped.numpy(), probability.numpy(), rtol=1e-3)  # the mirror changed what it saw
+    assert evaluation.data.params["flip_tta"] == "True"
+    assert "(flip TTA)" in evaluation.data.tags["mlflow.note.content"]
+
+
 # -- what the evaluation run is called, for each kind of source --------------------------------------------
 
 def _source(kind: str, given: str, location: str = "/runs/x/model.safetensors", **provenance) -> ModelSource:
@@ -316,7 +345,7 @@ def test_the_run_records_every_setting_of_the_evaluation_as_a_param_and_says_it_
         "source": logged_run.model_uri, "source.kind": "mlflow_run", "ema": "False", "model.name": "xcit_nano_12_p8",
         "data": str(logged_run.data["val"]), "data.sha256": sidecar.sha256, "data.num_samples": "360",
         "data.num_classes": "10", "img_size": "16", "crop_ratio": "0.875", "mean": str(list(IMAGENET_DEFAULT_MEAN)),
-        "std": str(list(IMAGENET_DEFAULT_STD)), "workers": "this process", "batch_size": "64",
+        "std": str(list(IMAGENET_DEFAULT_STD)), "flip_tta": "False", "workers": "this process", "batch_size": "64",
         "source.run_id": logged_run.run_id, "source.model_id": logged_run.model_id}
     metrics = run.data.metrics
     assert run.data.tags["mlflow.note.content"] == (

@@ -26,6 +26,8 @@ def add_parser(commands) -> None:
                         help="evaluate at N px instead of the model's own size (where its weights allow)")
     parser.add_argument("--crop-ratio", type=float, default=None, metavar="R",
                         help="center crop of R x the shorter side, instead of the model's own (data.val_crop_ratio)")
+    parser.add_argument("--flip-tta", action="store_true",
+                        help="test-time augmentation: average each image's logits with its mirror image's")
     parser.add_argument("--ema", action="store_true", help="the EMA's weights (a run trained with optim.ema_decay)")
     parser.add_argument("--workers", type=int, default=0, metavar="N",
                         help="spread the dataset over N Ray Train workers (default: this one process)")
@@ -57,7 +59,7 @@ def _evaluate(args: argparse.Namespace, console) -> int:
         raise InvalidInputError(f"--address {args.address} runs the evaluation on Ray workers: give --workers N")
     plan = plan_evaluation(args.source, args.data, load_config(args.config, args.overrides), ema=args.ema,
                            img_size=args.img_size, crop_ratio=args.crop_ratio, workers=args.workers,
-                           batch_size=args.batch_size)
+                           batch_size=args.batch_size, flip_tta=args.flip_tta)
     announce(plan, bool(args.address))
     differences = class_name_differences(plan)
     if differences:

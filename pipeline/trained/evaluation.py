@@ -57,6 +57,7 @@ class EvaluationPlan:
     cache_dir: Path  # where a dataset given as a URI is staged
     tracking_uri: str
     experiment: str  # the source's experiment where MLflow records it, else the config's
+    flip_tta: bool = False  # each image's logits averaged with its mirror image's (FlipAveraged)
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -82,7 +83,7 @@ class Evaluation:
 
 def plan_evaluation(given: str, data_location: str, cfg: ExperimentConfig, *, ema: bool = False,
                     img_size: int | None = None, crop_ratio: float | None = None, workers: int = 0,
-                    batch_size: int = 64) -> EvaluationPlan:
+                    batch_size: int = 64, flip_tta: bool = False) -> EvaluationPlan:
     """Check everything (InvalidInputError naming what is wrong); nothing is written or started."""
     if workers < 0:
         raise InvalidInputError(f"--workers {workers}: give 1 or more Ray workers, or leave it out (this process)")
@@ -108,7 +109,7 @@ def plan_evaluation(given: str, data_location: str, cfg: ExperimentConfig, *, em
                                        "mean": preprocessing.mean, "std": preprocessing.std})
     return EvaluationPlan(source, data, sidecar, preprocessing, workers, batch_size,
                           cache_dir_for(cfg.data, cfg.run.storage_path), tracking_uri,
-                          _experiment(tracking_uri, provenance) or cfg.tracking.experiment)
+                          _experiment(tracking_uri, provenance) or cfg.tracking.experiment, flip_tta)
 
 
 def _experiment(tracking_uri: str, provenance: Provenance) -> str | None:
@@ -150,11 +151,26 @@ class SampleRecorder:
                 for name in ("labels", "predicted", "probability")}
 
 
+class FlipAveraged(torch.nn.Module):
+    """Flip test-time augmentation: the mean of the model's logits for each image and its mirror image
+    (left-right, the flip training augments with)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (self.model(images) + self.model(images.flip(-1))) / 2
+
+
 def _evaluate_shard(source: ModelSource, data: DataConfig, path: Path, preprocessing: EvalPreprocessing,
-                    batch_size: int, device: torch.device, distributed: bool) -> tuple[dict, torch.Tensor, dict]:
+                    batch_size: int, device: torch.device, distributed: bool,
+                    flip_tta: bool) -> tuple[dict, torch.Tensor, dict]:
     from pipeline.components.metrics import validation_metrics
 
     model = source.build(preprocessing.img_size).to(device)
+    if flip_tta:
+        model = FlipAveraged(model)
     loader = build_val_loader(data, path, batch_size, preprocessing.img_size, device, distributed=distributed)
     recorder = SampleRecorder(source.card.num_classes)
     metrics = validation_metrics(model, loader, torch.float32, device, observe=recorder)
@@ -166,7 +182,7 @@ def evaluate_here(plan: EvaluationPlan) -> Evaluation:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = stage_dataset(plan.data.val, plan.cache_dir)
     metrics, confusion, samples = _evaluate_shard(plan.source, plan.data, path, plan.preprocessing, plan.batch_size,
-                                                  device, distributed=False)
+                                                  device, distributed=False, flip_tta=plan.flip_tta)
     return _evaluation(metrics, confusion.numpy(), samples)
 
 
@@ -192,7 +208,7 @@ def evaluation_worker(config: dict[str, Any]) -> None:
     path = stage_dataset(data.val, config["cache_dir"])
     metrics, confusion, samples = _evaluate_shard(
         ray.get(config["source"]), data, path, EvalPreprocessing.model_validate(config["preprocessing"]),
-        config["batch_size"], device, distributed=world_size > 1)
+        config["batch_size"], device, distributed=world_size > 1, flip_tta=config["flip_tta"])
     shards: list[dict[str, list] | None] = [samples] * world_size
     if world_size > 1:
         dist.all_gather_object(shards, samples)
@@ -239,7 +255,8 @@ def evaluate_on_ray(plan: EvaluationPlan, address: str | None) -> Evaluation:
                 train_loop_config={"source": ray.put(plan.source), "results": results,
                                    "data": plan.data.model_dump(mode="json"),
                                    "preprocessing": plan.preprocessing.model_dump(mode="json"),
-                                   "batch_size": plan.batch_size, "cache_dir": str(plan.cache_dir)},
+                                   "batch_size": plan.batch_size, "cache_dir": str(plan.cache_dir),
+                                   "flip_tta": plan.flip_tta},
                 torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
                 scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=use_gpu),
                 run_config=RunConfig(name=f"evaluate-{uuid.uuid4().hex[:8]}", storage_path=storage),
@@ -324,11 +341,14 @@ def evaluation_params(plan: EvaluationPlan) -> dict[str, Any]:
               "model.name": plan.source.card.model.name, "data": plan.data.val, "data.sha256": plan.sidecar.sha256,
               "data.num_samples": plan.sidecar.num_samples, "data.num_classes": plan.sidecar.num_classes,
               "img_size": pre.img_size, "crop_ratio": pre.crop_ratio, "mean": list(pre.mean), "std": list(pre.std),
-              "workers": plan.workers or "this process", "batch_size": plan.batch_size}
+              "flip_tta": plan.flip_tta, "workers": plan.workers or "this process", "batch_size": plan.batch_size}
     for key in ("run_id", "model_id", "registered_name", "registered_version", "registered_alias"):
         if getattr(p, key):
             params[f"source.{key}"] = getattr(p, key)
     return params
+
+
+_FLIPPED = ", each image's logits averaged with its mirror image's (flip TTA)"
 
 
 def describe(plan: EvaluationPlan, metrics: dict[str, float], label: str) -> str:
@@ -339,7 +359,8 @@ def describe(plan: EvaluationPlan, metrics: dict[str, float], label: str) -> str
         trained = f" (trained by [run {p.run_id}](#/experiments/{p.experiment_id}/runs/{p.run_id}))"
     return (f"Evaluation of **{label}**{' (its EMA weights)' if p.ema else ''}{trained} on "
             f"`{Path(plan.data.val).name}` ({plan.sidecar.num_samples} images, {plan.sidecar.num_classes} classes) at "
-            f"{pre.img_size} px, center crop {pre.crop_ratio:g}: top-1 {metrics[f'val_top1{suffix}']:.2f}%, top-5 "
+            f"{pre.img_size} px, center crop {pre.crop_ratio:g}{_FLIPPED if plan.flip_tta else ''}: top-1 "
+            f"{metrics[f'val_top1{suffix}']:.2f}%, top-5 "
             f"{metrics[f'val_top5{suffix}']:.2f}%, loss {metrics[f'val_loss{suffix}']:.4f}.")
 
 
@@ -351,4 +372,4 @@ def announce(plan: EvaluationPlan, address_given: bool) -> None:
     active_console().line(
         f"evaluating {p.given}{' (EMA weights)' if p.ema else ''} [{p.kind}] on {plan.data.val}: "
         f"{plan.sidecar.num_samples} images, {plan.sidecar.num_classes} classes, {pre.img_size} px, "
-        f"crop {pre.crop_ratio:g}; {where}")
+        f"crop {pre.crop_ratio:g}{_FLIPPED if plan.flip_tta else ''}; {where}")
