@@ -299,8 +299,6 @@ def tune_command(storage, data, space, *overrides) -> list[str]:
 # stage3_param_persistence_threshold): all of the smoke model's (at most 73,728). MLP ratio 8 makes each
 # block's two MLP weights 131,072 elements: each rank holds half of each, and the final weights need both halves.
 ZERO3_SPLIT = ("deepspeed.zero_stage=3", "model.args.mlp_ratio=8")
-# DeiT's hard-label distillation from a small saved teacher (``teacher_checkpoint``).
-DISTILLED = ("distill.teacher=xcit_nano_12_p8", "distill.teacher_args={img_size: 16, depth: 1}")
 
 
 @pytest.fixture(scope="session")
@@ -318,12 +316,32 @@ def teacher_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory, digits16, teacher_checkpoint):
-    """One finished run several modules read: one epoch under ZeRO-3 (``ZERO3_SPLIT``), distilled from
-    ``teacher_checkpoint``, with --verbose. (storage, its command, its result.)"""
+def teacher_source(tmp_path_factory, teacher_checkpoint) -> Path:
+    """``teacher_checkpoint``'s teacher as a model source that says what it is: a .safetensors file with its
+    card in the metadata, as vitsweep saves a run's sources (``distill.teacher_from``)."""
+    from safetensors.torch import load_file
+
+    from pipeline.components.model_card import EvalPreprocessing, ModelCard
+    from pipeline.config.schema import ModelConfig
+    from pipeline.trained.model_source import ModelSource, Provenance
+    from pipeline.trained.transfer import save_source
+
+    card = ModelCard(model=ModelConfig(name="xcit_nano_12_p8", img_size=16, args={"depth": 1}), num_classes=10,
+                     class_names=DIGITS, preprocessing=EvalPreprocessing(img_size=16, crop_ratio=1.0,
+                                                                          mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)))
+    path = tmp_path_factory.mktemp("teacher-source") / "teacher.safetensors"
+    save_source(ModelSource(load_file(teacher_checkpoint), card, Provenance(str(teacher_checkpoint), "safetensors",
+                                                                             str(teacher_checkpoint))), str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, digits16, teacher_source):
+    """One finished run several modules read: one epoch under ZeRO-3 (``ZERO3_SPLIT``), distilled from the
+    model source ``teacher_source`` (``distill.teacher_from``), with --verbose. (storage, its command, its result.)"""
     storage = tmp_path_factory.mktemp("finished") / "runs"
-    args = train_command(storage, digits16, "run.name=done", *ZERO3_SPLIT, *DISTILLED,
-                         f"distill.teacher_checkpoint={teacher_checkpoint}") + ["--verbose"]
+    args = train_command(storage, digits16, "run.name=done", *ZERO3_SPLIT,
+                         f"distill.teacher_from={teacher_source}") + ["--verbose"]
     result = run_vitsweep(args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return storage, args, result

@@ -1,6 +1,7 @@
 """DeiT's distillation: the teacher's argmax (hard) or softened distribution (soft) is the second target;
 bad teachers fail early."""
 import math
+import re
 
 import pytest
 import timm
@@ -12,6 +13,7 @@ import models  # noqa: F401
 from pipeline.config.schema import DataConfig, DistillConfig
 from pipeline.components.distillation import DistillationLoss, build_teacher, soft_distillation
 from pipeline.errors import InvalidInputError
+from pipeline.trained.teacher import TEACHER_FILE
 
 
 def _distill(path) -> DistillConfig:
@@ -74,15 +76,63 @@ def test_missing_teacher_checkpoint_is_invalid_input(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_distilled_run_under_zero3_completes_and_records_the_teacher(finished_run, teacher_checkpoint):
+def test_a_distilled_run_under_zero3_completes_and_records_the_teacher(finished_run, teacher_source):
     from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
 
-    storage, _, _ = finished_run
+    storage, _, result = finished_run
     client = MlflowClient(f"sqlite:///{storage}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("vitsweep").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["deepspeed.zero_stage"] == "3"
-    assert run.data.params["distill.teacher"] == "xcit_nano_12_p8"
-    assert run.data.params["distill.teacher_checkpoint"] == str(teacher_checkpoint)
+    assert run.data.params["distill.teacher_from"] == str(teacher_source)  # the source as the user gave it
+    assert f"  distilling from {teacher_source} (hard)" in result.stdout
+    # the teacher the workers read: the source's weights, saved once in the run directory
+    saved, given = load_file(storage / "done" / TEACHER_FILE), load_file(teacher_source)
+    assert saved.keys() == given.keys() and all(torch.equal(saved[key], given[key]) for key in saved)
+
+
+def test_a_teacher_from_a_model_source_is_its_card_s_model_normalised_as_trained(teacher_source, teacher_checkpoint,
+                                                                                  tmp_path):
+    from safetensors.torch import load_model
+
+    from pipeline.trained.teacher import load_teacher, resolve_teacher
+
+    found = resolve_teacher(DistillConfig(teacher_from=str(teacher_source)), num_classes=10, img_size=16,
+                            run_dir=str(tmp_path / "run"), storage_path=str(tmp_path), tracking_uri="unused:")
+    found.save()
+    teacher = load_teacher(found.location, img_size=16)
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    reference = timm.create_model("xcit_nano_12_p8", img_size=16, num_classes=10, depth=1).eval()
+    load_model(reference, str(teacher_checkpoint))
+    images = torch.randn(2, 3, 16, 16)  # as the student sees them: normalised by ImageNet's statistics
+    student_mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    student_std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    pixels = images * student_std + student_mean
+    with torch.no_grad():
+        expected = reference((pixels - 0.5) / 0.25)  # the card's normalisation, by hand
+        given = teacher(teacher.normalize_input(images, student_mean, student_std))
+    torch.testing.assert_close(given, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("source, classes, message", [
+    ("teacher_source", 2, "it classifies 10 classes and the student's data has 2"),
+    ("teacher_checkpoint", 10, "is a bare weights file: it does not say which model it holds; give it as "
+                               "distill.teacher"),
+])
+def test_a_teacher_that_cannot_teach_the_student_is_refused_naming_it(source, classes, message, request, tmp_path):
+    from pipeline.trained.teacher import resolve_teacher
+
+    path = request.getfixturevalue(source)
+    with pytest.raises(InvalidInputError, match=re.escape(f"distill.teacher_from='{path}'") + ":? " + message):
+        resolve_teacher(DistillConfig(teacher_from=str(path)), num_classes=classes, img_size=16,
+                        run_dir=str(tmp_path / "run"), storage_path=str(tmp_path), tracking_uri="unused:")
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_teacher_is_given_one_way():
+    with pytest.raises(ValueError, match="give one of the two"):
+        DistillConfig(teacher_from="runs:/abc/model", teacher="xcit_nano_12_p8", teacher_checkpoint="t.safetensors")
+    assert DistillConfig(teacher_from="models:/digits@champion").enabled and not DistillConfig().enabled
 
 
 @pytest.mark.slow

@@ -250,6 +250,16 @@ def test_a_safetensors_file_gives_every_name_of_a_shared_tensor_and_no_card(trai
     assert SHARED_CODE in source.weights
 
 
+def test_a_safetensors_file_vitsweep_saved_says_its_card(teacher_source):
+    # save_source's metadata: the card beside the weights (a run's saved init_from or teacher is a source too)
+    source = resolve_model_source(str(teacher_source), storage_path="unused", tracking_uri="unused:")
+    assert source.provenance.kind == "safetensors"
+    assert (source.card.model.name, source.card.model.args, source.card.num_classes) == ("xcit_nano_12_p8",
+                                                                                         {"depth": 1}, 10)
+    assert source.card.preprocessing.mean == (0.5, 0.5, 0.5)
+    assert source.build(16)(torch.zeros(1, 3, 16, 16)).shape == (1, 10)
+
+
 def test_a_torch_state_dict_gives_its_weights_or_its_ema(trained, tmp_path):
     path = tmp_path / "timm_checkpoint.pth"
     torch.save({"epoch": 2, "state_dict": trained.weights["final"], "state_dict_ema": trained.weights["final_ema"]},

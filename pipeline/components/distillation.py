@@ -34,10 +34,22 @@ def load_teacher_weights(model: nn.Module, checkpoint: str) -> None:
 
 
 def build_teacher(cfg: DistillConfig, num_classes: int, device: torch.device | str = "cpu"):
-    """The frozen teacher wrapped by timm's DistillationTeacher (it bridges input normalisations)."""
+    """``distill.teacher`` with ``distill.teacher_checkpoint``'s weights, frozen (``frozen_teacher``)."""
     model = timm.create_model(cfg.teacher, num_classes=num_classes, **cfg.teacher_args)
     load_teacher_weights(model, cfg.teacher_checkpoint)
+    return frozen_teacher(model, device)
+
+
+def frozen_teacher(model: nn.Module, device: torch.device | str = "cpu",
+                   normalisation: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+    """``model`` frozen in eval mode inside timm's DistillationTeacher, which bridges the student's input
+    normalisation to the teacher's: the model's pretrained_cfg mean and std, or ``normalisation`` (mean,
+    std) where the teacher was trained with its own (a vitsweep model's card)."""
     teacher = DistillationTeacher(model.to(device), device=torch.device(device))
+    if normalisation is not None:
+        mean, std = normalisation
+        teacher.mean_kd.copy_(torch.tensor(mean).view(1, 3, 1, 1))
+        teacher.std_kd.copy_(torch.tensor(std).view(1, 3, 1, 1))
     teacher.requires_grad_(False)
     return teacher.eval()
 

@@ -36,11 +36,13 @@ class TrainingLoss(nn.Module):
 
 
 def build_training_loss(cfg: ExperimentConfig, augment: BatchAugment, num_classes: int, device: torch.device,
-                        teacher_precision=None) -> TrainingLoss:
-    """``teacher_precision``: the autocast context the teacher runs in (the training precision)."""
+                        teacher_precision=None, teacher=None) -> TrainingLoss:
+    """``teacher_precision``: the autocast context the teacher runs in (the training precision); ``teacher``:
+    ``distill.teacher_from``'s, frozen (``pipeline.trained.teacher.load_teacher``), else built from
+    ``distill.teacher`` and its checkpoint."""
     task_loss = augment.loss()
-    if cfg.distill.teacher is None:
+    if not cfg.distill.enabled:
         return TrainingLoss(task_loss)
-    teacher = build_teacher(cfg.distill, num_classes, device)
+    teacher = teacher if teacher is not None else build_teacher(cfg.distill, num_classes, device)
     distillation = DistillationLoss(task_loss, teacher, cfg.distill, cfg.data, teacher_precision)
     return TrainingLoss(task_loss, distillation.to(device))

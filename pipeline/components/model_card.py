@@ -23,6 +23,9 @@ from pipeline.errors import InvalidInputError
 
 CARD_FORMAT = "vitsweep.model.v1"
 MLFLOW_METADATA_KEY = "vitsweep"  # the card's key in an MLflow model's metadata
+# The card in a .safetensors file's metadata (JSON), as pipeline.trained.transfer.save_source writes it: such a
+# file is a model source that says what model it holds.
+SAFETENSORS_CARD_KEY = "vitsweep.card"
 
 
 class _Record(BaseModel):

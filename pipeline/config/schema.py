@@ -530,11 +530,21 @@ class DistillConfig(_Section):
     teacher: str | None = None  # a registered timm model name, e.g. regnety_160 (DeiT's teacher)
     teacher_args: dict[str, Any] = Field(default_factory=dict)  # its constructor overrides
     teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
+    # Or the teacher as a trained model, any model source (a run's name or directory, a checkpoint directory,
+    # runs:/RUN_ID/model, models:/NAME/VERSION or @ALIAS, a downloaded MLflow model): its card names the
+    # architecture and the normalisation it was trained with (pipeline.trained.teacher).
+    teacher_from: str | None = Field(None, min_length=1)
     kind: Literal["hard", "soft"] = "hard"  # DeiT's --distillation-type
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
     tau: float = Field(1.0, gt=0.0)  # soft only; DeiT's main.py: 1.0 (its paper's soft row: 3.0 with alpha 0.1)
 
     _usable_checkpoint = field_validator("teacher_checkpoint")(_check_file)
+    _usable_source = field_validator("teacher_from")(_check_location)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run distils: a teacher is given, either way."""
+        return self.teacher is not None or self.teacher_from is not None
 
     @field_validator("teacher")
     @classmethod
@@ -543,6 +553,9 @@ class DistillConfig(_Section):
 
     @model_validator(mode="after")
     def _teacher_needs_weights(self) -> DistillConfig:
+        if self.teacher_from is not None and (self.teacher or self.teacher_checkpoint or self.teacher_args):
+            raise ValueError("teacher_from gives the teacher whole (its card names the model); teacher, teacher_args "
+                             "and teacher_checkpoint give it as a timm name and a weights file: give one of the two")
         if self.teacher is not None and self.teacher_checkpoint is None:
             raise ValueError(f"teacher={self.teacher!r} needs teacher_checkpoint (a random teacher teaches nothing)")
         if self.teacher is None and (self.teacher_checkpoint or self.teacher_args):
@@ -571,10 +584,10 @@ class ExperimentConfig(_Section):
         from models import VARIANTS
 
         facts = VARIANTS.get(self.model.name)
-        if facts is not None and facts.distillation_token and self.distill.teacher is None:
+        if facts is not None and facts.distillation_token and not self.distill.enabled:
             raise ValueError(f"model.name={self.model.name} has DeiT's distillation token, which learns from a "
-                             "teacher: set distill.teacher and distill.teacher_checkpoint, or train the model "
-                             "without the token")
+                             "teacher: set distill.teacher_from, or distill.teacher and distill.teacher_checkpoint, or "
+                             "train the model without the token")
         return self
 
     @model_validator(mode="after")

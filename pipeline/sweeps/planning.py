@@ -205,6 +205,32 @@ def check_initial_weights(candidates: list[Candidate], num_classes: int, trackin
     return sources
 
 
+def check_teachers(candidates: list[Candidate], num_classes: int, tracking_uri: str) -> dict[tuple[str, bool], Any]:
+    """Every trial's ``distill.teacher_from`` resolved once and checked at each input size it teaches
+    (``pipeline.trained.teacher``), before any trial runs: SpaceError naming the trials' knobs when one does not
+    resolve or teach. Returns the sources keyed as ``check_initial_weights``' are (the source, no EMA): the
+    sweep saves both alike."""
+    from pipeline.trained.model_source import resolve_model_source
+    from pipeline.trained.teacher import check_teacher
+
+    sources: dict[tuple[str, bool], Any] = {}
+    checked: set[tuple[str, int]] = set()
+    for candidate in candidates:
+        teacher_from, img_size = candidate.config.distill.teacher_from, candidate.config.model.img_size
+        if teacher_from is None:
+            continue
+        try:
+            if (teacher_from, False) not in sources:
+                sources[teacher_from, False] = resolve_model_source(
+                    teacher_from, storage_path=candidate.config.run.storage_path, tracking_uri=tracking_uri)
+            if (teacher_from, img_size) not in checked:
+                check_teacher(sources[teacher_from, False], num_classes, img_size)
+                checked.add((teacher_from, img_size))
+        except InvalidInputError as err:
+            raise SpaceError(f"trials with {_knobs_text(candidate.knobs)}: {err}") from None
+    return sources
+
+
 def _take(items: Iterator[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
     taken = []
     for item in items:

@@ -36,7 +36,7 @@ from pipeline.training.locations import check_can_create, run_directories
 from pipeline.training.runs import ResolvedData, resolve_data
 from pipeline.sweeps import importance, plots, report, spend, summary, view
 from pipeline.sweeps.budget import BUDGET, BudgetedASHAScheduler, BudgetedFIFOScheduler, SweepBudget, recorded_budget
-from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, plan_trials
+from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weights, check_teachers, plan_trials
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
@@ -72,8 +72,9 @@ class Sweep:
     tracking_uri: str
     parent_run_id: str | None = None
     created: float = 0.0
-    # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema); saved
-    # into the sweep directory when it starts (a resumed sweep has them there already).
+    # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema) and
+    # (distill.teacher_from, False); saved into the sweep directory when it starts (a resumed sweep has
+    # them there already).
     sources: dict[tuple[str, bool], Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -150,7 +151,8 @@ def prepare_sweep(config: str | None, overrides: list[str], space_refs: list[str
                                 f"`vitsweep tune --resume {sweep_dir}` or set another tune.name")
     plan = plan_trials(space, base_tree, cfg.tune.searcher, cfg.tune.num_samples, cfg.tune.seed)
     data = resolve_data(cfg)
-    sources = check_initial_weights(plan.candidates, data.num_classes, tracking_uri)
+    sources = {**check_initial_weights(plan.candidates, data.num_classes, tracking_uri),
+               **check_teachers(plan.candidates, data.num_classes, tracking_uri)}
     return Sweep(name, root, space, base_tree, plan, data, tracking_uri, created=created, sources=sources)
 
 

@@ -29,6 +29,7 @@ from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import PRUNED, open_child_run
 from pipeline.sweeps.trial_stop import TrialStopWatch
+from pipeline.trained.teacher import TeacherWeights
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
 from pipeline.tracking.store import MlflowRun
 from pipeline.training.oom import (OOM, RETRIES_TAG, SPLIT_TAG, ran_out_of_memory, smaller_micro_batch, split,
@@ -81,8 +82,10 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
                 if cfg.model.init_from else None)
     except InvalidInputError:
         return
+    teacher = (TeacherWeights(sweep_source_location(plan.init_sources, cfg.distill.teacher_from, False))
+               if cfg.distill.teacher_from else None)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": trial_id})})
-    run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri, init)
+    run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri, init, teacher)
 
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S)
     mlflow_run = open_child_run(plan.tracking_uri, plan.experiment, plan.parent_run_id, plan.sweep_name, trial_id,

@@ -9,9 +9,10 @@ shown with the ``kind`` it resolves as and the weights read:
 - ``checkpoint_dir``: a checkpoint directory vitsweep wrote: its final weights where it has them,
   else its DeepSpeed state (ZeRO 1-3 consolidated by DeepSpeed's ``zero_to_fp32``; EMA: the
   client state's).
-- ``safetensors``: a ``.safetensors`` file; ``state_dict``: any other file, a torch state dict
-  (bare, or under timm's ``state_dict`` / ``model``; EMA: ``state_dict_ema`` / ``model_ema``)
-  loaded with ``torch.load(weights_only=True)``.
+- ``safetensors``: a ``.safetensors`` file, with its card where vitsweep wrote one into its metadata (a
+  run's saved ``model.init_from`` or teacher, ``pipeline.trained.transfer.save_source``); ``state_dict``:
+  any other file, a torch state dict (bare, or under timm's ``state_dict`` / ``model``; EMA:
+  ``state_dict_ema`` / ``model_ema``) loaded with ``torch.load(weights_only=True)``.
 - ``mlflow_run``: ``runs:/<run_id>/model``, and ``registered_model``: ``models:/<name>/<version>``
   or ``models:/<name>@<alias>``, in the given MLflow store: the weights files logged with the
   MLflow model (``extra_files/``), and the card in its metadata.
@@ -27,6 +28,7 @@ that is not weights-only loadable, an unknown run, model, version or alias) is a
 """
 from __future__ import annotations
 
+import json
 import pickle
 import tempfile
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, META_FILE, WEIG
     checkpoint_state_dict, checkpoints_newest_first, read_meta, verify_checkpoint)
 from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
-from pipeline.components.model_card import MLFLOW_METADATA_KEY, ModelCard
+from pipeline.components.model_card import MLFLOW_METADATA_KEY, SAFETENSORS_CARD_KEY, ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.tracking.store import LOGGED_MODEL_FILES, RUN_RECORD, read_run_record
 from pipeline.tracking.connection import is_local_store, open_client, require_reachable
@@ -195,7 +197,7 @@ def _checkpoint_contents(given: str, directory: Path, ema: bool) -> tuple[dict[s
             else ModelCard.from_identity(meta.get("model") or {}, where))
     final = directory / (EMA_WEIGHTS_FILE if ema else WEIGHTS_FILE)
     if final.is_file():
-        return _read_safetensors(given, final), card, str(final)
+        return _read_safetensors(given, final)[0], card, str(final)
     try:
         return _cpu_fp32(checkpoint_state_dict(directory, ema)), card, str(directory)
     except InvalidInputError as err:
@@ -218,22 +220,25 @@ def _file_source(given: str, path: Path, ema: bool) -> ModelSource:
         if ema:
             raise InvalidInputError(f"model source {given!r} is one safetensors file, with no separate EMA weights; "
                                     "give the EMA's own file (model_ema.safetensors) and do not ask for EMA")
-        return ModelSource(_read_safetensors(given, path), None, Provenance(given, "safetensors", str(path), ema))
+        weights, card = _read_safetensors(given, path)
+        return ModelSource(weights, card, Provenance(given, "safetensors", str(path), ema))
     return ModelSource(_read_state_dict(given, path, ema), None, Provenance(given, "state_dict", str(path), ema))
 
 
-def _read_safetensors(given: str, path: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(given: str, path: Path) -> tuple[dict[str, torch.Tensor], ModelCard | None]:
     """Every tensor, and the names ``safetensors.torch.save_model`` dropped for tensors shared between
-    blocks (its metadata maps each dropped name to the one kept)."""
+    blocks (its metadata maps each dropped name to the one kept); and the card vitsweep's saved sources
+    carry in their metadata (``SAFETENSORS_CARD_KEY``), else None."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as weights:
-            aliases = weights.metadata() or {}
+            metadata = weights.metadata() or {}
             state = {name: weights.get_tensor(name) for name in weights.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise InvalidInputError(f"model source {given!r}: {str(path)!r} is not a readable safetensors file "
                                 f"(truncated or not safetensors: {err})") from None
-    state.update({alias: state[kept] for alias, kept in aliases.items() if kept in state and alias not in state})
-    return _cpu_fp32(state)
+    state.update({alias: state[kept] for alias, kept in metadata.items() if kept in state and alias not in state})
+    card = metadata.get(SAFETENSORS_CARD_KEY)
+    return _cpu_fp32(state), (ModelCard.from_dict(json.loads(card), given) if card else None)
 
 
 # What a file that is not a torch file often is, by its first bytes (torch.save writes a zip archive, or
@@ -306,7 +311,7 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
     artifacts = logged.artifact_location.rstrip("/")
     location = f"{artifacts}/{LOGGED_MODEL_FILES}/{wanted}"
     with tempfile.TemporaryDirectory(prefix="vitsweep-source-") as directory:
-        weights = _read_safetensors(given, _download(given, location, directory, tracking_uri))
+        weights = _read_safetensors(given, _download(given, location, directory, tracking_uri))[0]
         card = _logged_card(given, _download(given, f"{artifacts}/MLmodel", directory, tracking_uri))
     provenance = Provenance(given, "mlflow_run" if given.startswith("runs:/") else "registered_model", location, ema,
                             tracking_uri=tracking_uri, experiment_id=logged.experiment_id,
@@ -392,7 +397,7 @@ def read_logged_model_directory(directory: str | Path, ema: bool = False, given:
     logged = _load_mlmodel(given, directory / MLMODEL_FILE)
     provenance = Provenance(given, "mlflow_model_dir", str(wanted), ema, run_id=logged.run_id,
                             model_id=getattr(logged, "model_id", None))
-    return ModelSource(_read_safetensors(given, wanted), card, provenance)
+    return ModelSource(_read_safetensors(given, wanted)[0], card, provenance)
 
 
 def _logged_card(given: str, mlmodel: Path) -> ModelCard | None:

@@ -45,7 +45,7 @@ from pipeline import uris
 from pipeline.config.schema import ModelConfig
 from pipeline.config.loading import get_dotted
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.components.model_card import ModelCard
+from pipeline.components.model_card import SAFETENSORS_CARD_KEY, ModelCard
 from pipeline.components.modeling import build_model
 
 if TYPE_CHECKING:  # the resolver imports MLflow, which the workers (loading the saved source) never need
@@ -55,7 +55,7 @@ SOURCE_FILE = "init_source.safetensors"  # in a run directory: the weights the r
 SWEEP_SOURCES = "init_sources"  # in a sweep directory: one saved source per model.init_from of its trials
 PLAN_ARTIFACT = "init_weights.json"  # on the MLflow run: every weight, loaded, reset, resampled or excluded
 POSITION_EMBEDDING = "pos_embed"  # timm's name of an absolute position embedding, [1, prefix + grid, dim]
-_METADATA = {"provenance": "vitsweep.provenance", "card": "vitsweep.card"}  # keys in the saved file's metadata
+_METADATA = {"provenance": "vitsweep.provenance", "card": SAFETENSORS_CARD_KEY}  # keys in the saved file's metadata
 _TEMPLATE = re.compile(r"\{([A-Za-z_][\w.]*)\}")
 _SHOWN = 12  # mismatched weights listed in an error before "... and N more"
 

@@ -78,6 +78,9 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
         if run.init is not None:
             run.init.save()  # into the run directory, where every worker reads it
             console.line(f"  starting from {run.init.plan.summary()}")
+        if run.teacher is not None:
+            run.teacher.save()  # as the initial weights: where every worker reads it
+            console.line(f"  distilling from {run.cfg.distill.teacher_from} ({run.cfg.distill.kind})")
         console.line(f"  {describe_lr(run.cfg.optim, run.cfg.scaling.num_workers)}")
         with interrupts.held():  # the MLflow run is opened whole: a signal meanwhile ends it KILLED below
             mlflow_run = open_mlflow_run(run)

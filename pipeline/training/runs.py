@@ -59,6 +59,7 @@ from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_r
 from pipeline.tracking.connection import (check_logger_can_reach, is_new_local_store, require_reachable,
                                           resolve_tracking_uri)
 from pipeline.trained.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
+from pipeline.trained.teacher import TeacherWeights, resolve_teacher
 from pipeline.training.worker import WorkerPlan, train_worker
 
 
@@ -119,6 +120,7 @@ class CheckedRun:
     storage: str  # where Ray Train keeps the run: a local directory or a URI
     tracking_uri: str
     init: InitialWeights | None = None  # model.init_from, resolved and fitted to the model
+    teacher: TeacherWeights | None = None  # distill.teacher_from, resolved and checked
 
     @property
     def run_dir(self) -> Path:
@@ -251,9 +253,12 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
     init = (resolve_initial_weights(cfg.model, data.num_classes, uris.join(storage, run_name), storage, tracking_uri)
             if cfg.model.init_from else None)
+    teacher = (resolve_teacher(cfg.distill, data.num_classes, cfg.model.img_size, uris.join(storage, run_name), storage,
+                               tracking_uri)
+               if cfg.distill.teacher_from else None)
     if not is_new_local_store(tracking_uri):
         MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
-    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri, init)
+    return CheckedRun(cfg, data, facts, run_name, storage, tracking_uri, init, teacher)
 
 
 def create_store(run: CheckedRun) -> None:
@@ -373,7 +378,8 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, co
     score = cfg.run.checkpoint_score
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
                       run.facts.gflops, lr=effective_lr(cfg.optim, cfg.scaling.num_workers), announce=announce,
-                      model_card=run.card.as_dict(), init_weights=run.init.for_workers() if run.init is not None else None)
+                      model_card=run.card.as_dict(), init_weights=run.init.for_workers() if run.init is not None else None,
+                      teacher_source=run.teacher.location if run.teacher is not None else None)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),

@@ -43,6 +43,7 @@ from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
 from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.tracking.step_metrics import StepMetricsLog
 from pipeline.training.oom import raise_injected_oom
+from pipeline.trained.teacher import load_teacher
 from pipeline.trained.transfer import (TransferPlan, freeze_backbone, load_initial_weights, read_saved_weights,
     train_head_only)
 
@@ -67,6 +68,7 @@ class WorkerPlan:
     model_card: dict[str, Any] | None = None  # ModelCard.as_dict(): recorded in every checkpoint
     # model.init_from: {"location": the saved source, "plan": TransferPlan.as_dict()} (InitialWeights.for_workers)
     init_weights: dict[str, Any] | None = None
+    teacher_source: str | None = None  # distill.teacher_from: the saved source (TeacherWeights.location)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,7 +161,9 @@ class Trainer:
         self.identity = model_identity(cfg.model, num_classes)
         self.ema = build_ema(self.engine.module, cfg.optim) if cfg.optim.ema_decay is not None else None
         self.augment = BatchAugment(cfg.data.augment, num_classes, self.device)
-        self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast)
+        teacher = (load_teacher(self.plan.teacher_source, cfg.model.img_size, self.device)
+                   if self.plan.teacher_source is not None else None)
+        self.loss = build_training_loss(cfg, self.augment, num_classes, self.device, self.autocast, teacher)
 
         self.health = StepHealth(self.device, cfg.optim.grad_clip)
         self.loss_spikes = LossSpikes(cfg.run.loss_spike_factor, cfg.run.max_loss_spikes)
