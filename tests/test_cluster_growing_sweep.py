@@ -13,7 +13,8 @@ controller on the head; each logs its run through the login, and each run holds 
 metrics; no password lands in any param or tag. Token authentication is on: a
 driver with another token is refused. The sweep is a TPE search whose second sample is invalid (pruned
 as its trial starts, recorded on the parent), trained under ZeRO-0 (plain data parallelism), whose
-final weights score the runs' own metrics."""
+final weights score the runs' own metrics; its trials distil from a teacher given as a model source, which
+the sweep saved once where the worker node reads it."""
 import base64
 import json
 import os
@@ -25,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_model
 
@@ -122,7 +124,7 @@ def login_mlflow(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16):
+def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16, teacher_source):
     uri, password = login_mlflow
     storage = tmp_path_factory.mktemp("growing-cluster")
     space = storage / "heads.yaml"
@@ -135,7 +137,8 @@ def growing_cluster_sweep(tmp_path_factory, login_mlflow, digits16):
                    f"run.storage_path={storage / 'shared'}", f"tracking.mlflow_uri={uri}", "tune.name=growing",
                    f"data.train=file://{digits16['train']}", f"data.val=file://{digits16['val']}", "data.prepare=null",
                    "optim.epochs=1", "tune.searcher=tpe", "tune.num_samples=3", "tune.seed=0", "tune.scheduler=fifo",
-                   "deepspeed.zero_stage=0", "scaling.num_workers=1", "scaling.cpus_per_worker=1")
+                   "deepspeed.zero_stage=0", "scaling.num_workers=1", "scaling.cpus_per_worker=1",
+                   f"distill.teacher_from={teacher_source}")
                 for word in ("--set", override)]]
     plan = {"command": command, "caches": caches, "sweep_dir": str(storage / "shared" / "growing"),
             "head_resources": ray_start_resources()["kuberay/raycluster.yaml"]["head"],
@@ -211,6 +214,19 @@ def test_every_trial_trained_on_the_worker_node_and_is_logged_through_the_login(
         assert trial.info.status == "FINISHED" and trial.data.tags["stop_reason"] == "completed"
         assert [m.step for m in trainer_client.get_metric_history(trial.info.run_id, "val_top1")] == [1]
         assert "model.safetensors" in {a.path for a in trainer_client.list_artifacts(trial.info.run_id)}
+
+
+def test_the_trials_distil_from_the_teacher_the_sweep_resolved_and_saved_once(growing_cluster_sweep, trainer_client,
+                                                                             teacher_source):
+    from safetensors.torch import load_file
+
+    _, caches, _, _ = growing_cluster_sweep
+    (saved,) = (Path(caches["head"]).parents[1] / "shared" / "growing" / "init_sources").glob("*.safetensors")
+    given, kept = load_file(teacher_source), load_file(saved)  # what the worker node's trials read
+    assert kept.keys() == given.keys() and all(torch.equal(kept[key], given[key]) for key in kept)
+    experiment = trainer_client.get_experiment_by_name("vitsweep")
+    trials = trainer_client.search_runs([experiment.experiment_id], "tags.`vitsweep.role` = 'trial'")
+    assert len(trials) == 2 and {trial.data.params["distill.teacher_from"] for trial in trials} == {str(teacher_source)}
 
 
 def test_each_trials_run_holds_its_nodes_system_metrics(growing_cluster_sweep, trainer_client):

@@ -147,3 +147,22 @@ def test_a_run_without_an_ema_logs_no_ema_metrics_or_weights(finished_run):
     assert not [metric for metric in ("val_top1_ema", "val_top5_ema", "val_loss_ema")
                 if client.get_metric_history(run.info.run_id, metric)]
     assert "model_ema.safetensors" not in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_a_sweep_checks_each_trials_teacher_once_per_input_size_and_names_the_trials_that_cannot_use_it(
+        teacher_source, tmp_path):
+    from pipeline.config.loading import load_config
+    from pipeline.sweeps.planning import Candidate, check_teachers
+    from pipeline.sweeps.spaces import SpaceError
+
+    def candidate(img_size):
+        cfg = load_config("smoke", [f"distill.teacher_from={teacher_source}", f"model.img_size={img_size}",
+                                    f"run.storage_path={tmp_path}"])
+        return Candidate({"model.img_size": img_size}, {"model.img_size": img_size}, cfg, None)
+
+    sources = check_teachers([candidate(16), candidate(16), candidate(24)], num_classes=10, tracking_uri="unused:")
+    assert list(sources) == [(str(teacher_source), False)]  # saved beside the trials' initial weights
+    assert sources[str(teacher_source), False].card.model.name == "xcit_nano_12_p8"
+    with pytest.raises(SpaceError, match=r"trials with model.img_size=16: distill.teacher_from=.* it classifies 10 "
+                                         r"classes and the student's data has 3"):
+        check_teachers([candidate(16)], num_classes=3, tracking_uri="unused:")
