@@ -296,9 +296,11 @@ def tune_command(storage, data, space, *overrides) -> list[str]:
         args += ["--set", override]
     return args
 # ZeRO-3 keeps whole on every rank each parameter of up to 1e5 elements (DeepSpeed's
-# stage3_param_persistence_threshold): all of the smoke model's (at most 73,728). MLP ratio 8 makes each
-# block's two MLP weights 131,072 elements: each rank holds half of each, and the final weights need both halves.
-ZERO3_SPLIT = ("deepspeed.zero_stage=3", "model.args.mlp_ratio=8")
+# stage3_param_persistence_threshold). The shared run's student is DeiT-Ti with its distillation token (paper
+# 002's "dist" rows) at the smoke preset's 2 blocks and 16 px (one patch): MLP ratio 8 makes each block's two
+# MLP weights 294,912 elements (192 x 1,536), the patch embedding's 147,456: each rank holds half of each, and the
+# final weights need both halves.
+ZERO3_SPLIT = ("deepspeed.zero_stage=3", "model.args.mlp_ratio=8", "model.name=deit_tiny_distilled_p16")
 
 
 @pytest.fixture(scope="session")
@@ -337,8 +339,9 @@ def teacher_source(tmp_path_factory, teacher_checkpoint) -> Path:
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, digits16, teacher_source):
-    """One finished run several modules read: one epoch under ZeRO-3 (``ZERO3_SPLIT``), distilled from the
-    model source ``teacher_source`` (``distill.teacher_from``), with --verbose. (storage, its command, its result.)"""
+    """One finished run several modules read: one epoch of a student with DeiT's distillation token under ZeRO-3
+    (``ZERO3_SPLIT``), distilled from the model source ``teacher_source`` (``distill.teacher_from``), with
+    --verbose. (storage, its command, its result.)"""
     storage = tmp_path_factory.mktemp("finished") / "runs"
     args = train_command(storage, digits16, "run.name=done", *ZERO3_SPLIT,
                          f"distill.teacher_from={teacher_source}") + ["--verbose"]

@@ -89,6 +89,11 @@ def test_a_distilled_run_under_zero3_completes_and_records_the_teacher(finished_
     # the teacher the workers read: the source's weights, saved once in the run directory
     saved, given = load_file(storage / "done" / TEACHER_FILE), load_file(teacher_source)
     assert saved.keys() == given.keys() and all(torch.equal(saved[key], given[key]) for key in saved)
+    # the student has DeiT's distillation token: its head starts with zero bias (timm's ViT init) and learned
+    # the teacher; inference averages both heads (test_fault_injection scores the run's metrics with them)
+    final = load_file(client.download_artifacts(run.info.run_id, "model.safetensors", str(storage)))
+    assert run.data.params["model.name"] == "deit_tiny_distilled_p16" and "dist_token" in final
+    assert final["head_dist.bias"].abs().sum() > 0 and not torch.equal(final["head_dist.weight"], final["head.weight"])
 
 
 def test_a_teacher_from_a_model_source_is_its_card_s_model_normalised_as_trained(teacher_source, teacher_checkpoint,
