@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import (RunningVitsweep, assert_scores_the_runs_metrics, processes_started_below, ray_processes,
                       refused_in_process, run_vitsweep, train_command, wait_for)
+from models.measure import count_gmacs
 from pipeline.cli import EXIT_OK, main
 from pipeline.config.loading import load_config
 from pipeline.data.sidecar import read_sidecar
@@ -269,6 +270,13 @@ def test_progressive_resolution_trains_each_epoch_at_its_size_says_so_and_evalua
     final = resolve_model_source("e2e", storage_path=storage, tracking_uri=f"sqlite:///{storage}/mlflow.db")
     assert final.card.model.img_size == 16 and run.data.params["model.img_size"] == "16"
     assert len(client.get_metric_history(run.info.run_id, "val_top1")) == 2
+    # TFLOP/s counts each epoch's images at their size: per image, epoch 1's 8 px cost what the model's
+    # multiply-adds at 8 px do against 16 px
+    per_image = {m.step: m.value / images for m in client.get_metric_history(run.info.run_id, "tflops_per_sec")
+                 for i in client.get_metric_history(run.info.run_id, "images_per_sec") if i.step == m.step
+                 for images in [i.value]}
+    model = final.build()
+    assert per_image[1] / per_image[2] == pytest.approx(count_gmacs(model, 8) / count_gmacs(model, 16), rel=1e-3)
 
 
 def test_mlflow_run_is_tagged_with_the_environment(two_epoch_run):

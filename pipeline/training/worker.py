@@ -20,6 +20,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from models.measure import count_gmacs
 from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
     save_final_weights, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
@@ -140,9 +141,13 @@ class Trainer:
                                  TransferPlan.from_dict(self.plan.init_weights["plan"]))
         if cfg.model.freeze == "backbone":
             freeze_backbone(model)
-        # data.progressive: each epoch's crop size, rounded to this model's patch (the driver ran the model at each)
-        self.training_sizes = (training_sizes(cfg.data.progressive, cfg.model.img_size, cfg.optim.epochs, patch_step(model))
-                               if cfg.data.progressive is not None else None)
+        # data.progressive: each epoch's crop size, rounded to this model's patch (the driver ran the model at
+        # each), and the multiply-adds an image costs at each (TFLOP/s and MFU: fewer at a smaller size)
+        self.training_sizes, self.gmacs_by_size = None, {cfg.model.img_size: self.plan.gmacs_per_image}
+        if cfg.data.progressive is not None:
+            self.training_sizes = training_sizes(cfg.data.progressive, cfg.model.img_size, cfg.optim.epochs,
+                                                 patch_step(model))
+            self.gmacs_by_size.update({size: count_gmacs(model, size) for size in set(self.training_sizes)})
         optimizer = build_optimizer(model, cfg.optim, self.plan.lr)
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
@@ -258,13 +263,15 @@ class Trainer:
                                   **({DIVERGED_CAUSE_KEY: diverged.cause} if diverged.cause else {})})
                 return  # no retry: the run is recorded FAILED
             images_per_sec = stats.samples / stats.seconds
+            size = self.cfg.model.img_size if self.training_sizes is None else self.training_sizes[epoch]
+            gmacs = self.gmacs_by_size[size]
             # lr: the schedule's, the head's under layer-wise decay (the lower layers' are smaller).
             metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": max(self.engine.get_lr()),
                        "images_per_sec": images_per_sec,
-                       "tflops_per_sec": training_tflops(self.plan.gmacs_per_image, images_per_sec),
+                       "tflops_per_sec": training_tflops(gmacs, images_per_sec),
                        **({} if self.peak_tflops is None
-                          else {"mfu": mfu(self.plan.gmacs_per_image, images_per_sec, self.peak_tflops)}),
-                       **({} if self.training_sizes is None else {"train_img_size": self.training_sizes[epoch]}),
+                          else {"mfu": mfu(gmacs, images_per_sec, self.peak_tflops)}),
+                       **({} if self.training_sizes is None else {"train_img_size": size}),
                        **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
             self.end_epoch(epoch, {**metrics, **initial} if epoch == 0 else metrics)
