@@ -234,3 +234,13 @@ def test_the_readmes_recipe_commands_run_as_written_and_say_what_it_says(capsys,
     assert "2 of 30 keys depart" in job and "optim.global_batch_size" in job and "optim.lr_effective" in job
     assert "1 of 30 keys departs" in changed and "optim.epochs" in changed
     assert "epochs: 1200" in shown and "teacher: regnety_160" in shown
+
+
+def test_a_teacher_from_a_model_source_is_a_teacher_to_the_diff():
+    recipe = paper_recipes()["002"]
+    values = trained_values(load_config("paper:002:armour_tiny_distilled", [
+        "distill.teacher=null", "distill.teacher_from=models:/regnety@champion"]))
+    row = recipe.row_of(values)
+    assert row.name == "armour_tiny_distilled"  # distilled: the model's row with a teacher
+    assert [(d.key, d.paper, d.config) for d in departures(values, recipe, row)] == [
+        ("distill.teacher", "regnety_160", "teacher_from=models:/regnety@champion")]

@@ -77,7 +77,7 @@ class PaperRecipe:
         models = [row for row in self.rows.values() if self.values(row)["model.name"].value == flat.get("model.name")]
         taught = [row for row in models
                   if (self.values(row).get("distill.teacher", Cited(None, "")).value is None)
-                  == (flat.get("distill.teacher") is None)]
+                  == (_teacher(flat) is None)]
         return (taught or models or list(self.rows.values()))[0]
 
     def describe(self, row: PaperRow) -> str:
@@ -175,13 +175,20 @@ def closest_row(flat: dict[str, Any], ignored: set[str]) -> tuple[PaperRecipe, P
     return min(candidates, key=lambda candidate: len(candidate[2]))
 
 
+def _teacher(flat: dict[str, Any]) -> str | None:
+    """The config's teacher, as the papers name one: a timm name, or the model source it is taken from."""
+    source = flat.get("distill.teacher_from")
+    return flat.get("distill.teacher") or (f"teacher_from={source}" if source else None)
+
+
 def departures(flat: dict[str, Any], recipe: PaperRecipe, row: PaperRow) -> list[Departure]:
     """Where a config's flat values (``ExperimentConfig.flat()`` with the derived rate and batch, as MLflow
     records them) leave the row's recipe, in the recipe's order; then any model argument the paper's
     model does not take."""
     cited = recipe.values(row)
-    found = [Departure(key, entry.value, flat.get(key), entry.source)
-             for key, entry in cited.items() if not same(entry.value, flat.get(key))]
+    given = {**flat, "distill.teacher": _teacher(flat)}
+    found = [Departure(key, entry.value, given.get(key), entry.source)
+             for key, entry in cited.items() if not same(entry.value, given.get(key))]
     found += [Departure(key, None, value, "not set by the paper: its model's own default")
               for key, value in flat.items() if key.startswith(MODEL_ARGS_PREFIX) and key not in cited]
     return found
