@@ -102,7 +102,7 @@ def test_a_teacher_from_a_model_source_is_its_card_s_model_normalised_as_trained
 
     from pipeline.trained.teacher import load_teacher, resolve_teacher
 
-    found = resolve_teacher(DistillConfig(teacher_from=str(teacher_source)), num_classes=10, img_size=16,
+    found = resolve_teacher(DistillConfig(teacher_from=str(teacher_source)), num_classes=10, img_size=16, sizes=[16],
                             run_dir=str(tmp_path / "run"), storage_path=str(tmp_path), tracking_uri="unused:")
     found.save()
     teacher = load_teacher(found.location, img_size=16)
@@ -129,7 +129,7 @@ def test_a_teacher_that_cannot_teach_the_student_is_refused_naming_it(source, cl
 
     path = request.getfixturevalue(source)
     with pytest.raises(InvalidInputError, match=re.escape(f"distill.teacher_from='{path}'") + ":? " + message):
-        resolve_teacher(DistillConfig(teacher_from=str(path)), num_classes=classes, img_size=16,
+        resolve_teacher(DistillConfig(teacher_from=str(path)), num_classes=classes, img_size=16, sizes=[16],
                         run_dir=str(tmp_path / "run"), storage_path=str(tmp_path), tracking_uri="unused:")
     assert not (tmp_path / "run").exists()  # nothing written
 
@@ -171,3 +171,43 @@ def test_a_sweep_checks_each_trials_teacher_once_per_input_size_and_names_the_tr
     with pytest.raises(SpaceError, match=r"trials with model.img_size=16: distill.teacher_from=.* it classifies 10 "
                                          r"classes and the student's data has 3"):
         check_teachers([candidate(16)], num_classes=3, tracking_uri="unused:")
+
+
+def test_a_teacher_must_run_on_every_crop_size_the_student_is_fed(tmp_path):
+    from pipeline.components.model_card import ModelCard
+    from pipeline.config.schema import ModelConfig
+    from pipeline.trained.model_source import ModelSource, Provenance
+    from pipeline.trained.teacher import check_teacher
+
+    # a DeiT teacher with its fixed 4 x 4 position table at 64 px: it teaches a 64 px student, not its 32 px crops
+    card = ModelCard(model=ModelConfig(name="deit_tiny_p16", img_size=64, args={"depth": 1}), num_classes=10)
+    weights = timm.create_model("deit_tiny_p16", img_size=64, num_classes=10, depth=1).state_dict()
+    source = ModelSource(weights, card, Provenance("deit-teacher", "safetensors", str(tmp_path / "t.safetensors")))
+    check_teacher(source, num_classes=10, img_size=64, sizes=[64])
+    with pytest.raises(InvalidInputError, match=r"distill.teacher_from='deit-teacher': its model deit_tiny_p16 cannot "
+                                                r"run on the student's 32 px crops \(data.progressive\): Input height "
+                                                r"\(32\) doesn't match model \(64\)"):
+        check_teacher(source, num_classes=10, img_size=64, sizes=[32, 48, 64])
+    with pytest.raises(InvalidInputError, match=r"its model deit_tiny_p16 \(trained at 64 px\) cannot teach at the "
+                                                r"student's 40 px: "):
+        check_teacher(source, num_classes=10, img_size=40)
+
+
+def test_a_restarted_run_keeps_its_saved_teacher_and_refuses_another(teacher_source, tmp_path):
+    from pipeline.trained.teacher import resolve_teacher
+
+    run = dict(num_classes=10, img_size=16, sizes=[16], run_dir=str(tmp_path / "run"), storage_path=str(tmp_path),
+               tracking_uri="unused:")
+    resolve_teacher(DistillConfig(teacher_from=str(teacher_source)), **run).save()
+    again = resolve_teacher(DistillConfig(teacher_from=str(teacher_source)), **run)
+    assert again.source.provenance.given == str(teacher_source)  # read back from the run directory
+    with pytest.raises(InvalidInputError, match=re.escape(
+            f"{tmp_path / 'run'} distils from the teacher it saved when it started, '{teacher_source}'; this config "
+            "names 'runs:/0123/model' (its EMA weights): give the run another run.name")):
+        resolve_teacher(DistillConfig(teacher_from="runs:/0123/model", teacher_ema=True), **run)
+
+
+def test_teacher_ema_takes_a_sources_ema_and_needs_one():
+    assert DistillConfig(teacher_from="digits16", teacher_ema=True).teacher_ema
+    with pytest.raises(ValueError, match="teacher_ema takes the EMA weights of distill.teacher_from, which is not set"):
+        DistillConfig(teacher_ema=True)

@@ -173,15 +173,20 @@ def test_every_paper_has_a_cluster_job():
     assert {path.stem.split("_", 1)[0] for path in PAPER_JOBS} == set(paper_recipes())
 
 
-def test_a_model_argument_the_paper_does_not_set_departs_and_the_diff_picks_the_models_row(capsys):
+def test_a_model_argument_the_paper_does_not_set_departs_and_the_diff_picks_the_models_closest_row(capsys):
+    # paper 000's rows all train XCiT-N12: without :ROW, the one the config departs from least
     assert main(["config", "diff", "--against", "paper:000", "--config", "paper:000:xcit_nano_12_p16_fsne8",
                  "--set", "model.args.hidden_dim=64", "--set", "optim.epochs=100"]) == 0
     out = capsys.readouterr().out
-    assert "row xcit_nano_12_p16:" in out  # the first row with the model, the fsne row not named
+    assert "row xcit_nano_12_p16_fsne8:" in out
     listed = {line.split()[0]: line.split()[1:3] for line in out.splitlines()[2:] if line.startswith("  ")}
-    assert listed["model.args.hidden_dim"] == ["(model", "default)"]
-    assert listed["model.args.qkv"] == ["linear", "fsne"]
-    assert listed["optim.epochs"] == ["400", "100"]
+    assert listed == {"model.args.hidden_dim": ["(model", "default)"], "optim.epochs": ["400", "100"]}
+    # the baseline row leaves qkv at the model's own (linear): a config that names another departs
+    assert main(["config", "diff", "--against", "paper:000:xcit_nano_12_p16", "--config", "paper:000:xcit_nano_12_p16",
+                 "--set", "model.args.qkv=sne"]) == 0
+    listed = {line.split()[0]: line.split()[1:4] for line in capsys.readouterr().out.splitlines()[2:]
+              if line.startswith("  ")}
+    assert listed == {"model.args.qkv": ["(model", "default)", "sne"]}
 
 
 def test_a_config_with_a_teacher_is_compared_with_the_distilled_row():

@@ -8,11 +8,11 @@ import pytest
 
 from conftest import readme_block
 
-from pipeline.components.modeling import checked_training_sizes, describe_sizes
+from pipeline.components.modeling import checked_training_sizes
 from pipeline.config.loading import load_config
 from pipeline.config.schema import AugmentConfig, DataConfig, ModelConfig, ProgressiveResolutionConfig
 from pipeline.data.loaders import build_train_loader, build_val_loader
-from pipeline.data.progressive_resolution import set_training_size, training_sizes
+from pipeline.data.progressive_resolution import describe_sizes, set_training_size, training_sizes
 from pipeline.cli import main
 from pipeline.errors import ConfigError
 
@@ -45,6 +45,15 @@ def test_each_epochs_size_is_ffcv_imagenets_rounded_to_the_patch(start, final, s
 def test_a_start_size_between_patches_is_rounded_to_one():
     progressive = ProgressiveResolutionConfig(start_size=20, end_epoch=3)
     assert training_sizes(progressive, 32, 3, 8) == [16, 24, 32]  # 20 / 8 = 2.5, rounded to even: 2 patches
+
+
+def test_no_crop_is_larger_than_the_models_size_when_it_is_not_a_multiple_of_the_patch():
+    # EIT16/4/3's stem: 12 px per token, and 224 = 18.7 tokens; 128 px rounds to 132 (11 tokens)
+    progressive = ProgressiveResolutionConfig(start_size=128, start_epoch=1, end_epoch=50)
+    sizes = training_sizes(progressive, 224, 50, 12)
+    assert ffcv_imagenet_resolution(48, 132, 224, 49, 0, 12) == 228  # epoch 49 by the ramp alone: 18.5 tokens
+    assert sizes[48] == 224 and max(sizes) == 224
+    assert all(size % 12 == 0 for size in sizes if size != 224)
 
 
 def test_an_ffcv_loader_decodes_each_epoch_at_its_size_with_the_augmentations_on(digits16):
@@ -94,3 +103,20 @@ def test_the_readmes_progressive_resolution_check_runs_as_written_and_lists_the_
     assert program == "vitsweep" and main(argv) == 0  # in this process: the CLI's own entry
     # 8 px to epoch 1, 16 from epoch 3; epoch 2 halfway (12 px) rounds to 2 patches of 8
     assert capsys.readouterr().out.rstrip().endswith("training crops 8 px epoch 1, 16 px epochs 2-4")
+
+
+def test_a_sweep_prunes_the_trials_whose_model_cannot_take_a_crop_size_before_any_starts():
+    from pipeline.config.loading import with_dotted
+    from pipeline.sweeps.planning import plan_trials
+    from pipeline.sweeps.spaces import parse_space
+
+    # a ViT with a fixed position table takes no crop but its own; with dynamic_img_size it takes them all
+    space = parse_space("params:\n  model.args.dynamic_img_size: {values: [false, true]}\n", "test", "test.yaml")
+    base = with_dotted(load_config("smoke", ["model.name=deit_tiny_p16", "model.img_size=32", "optim.epochs=2",
+                                             "data.progressive.start_size=16", "data.progressive.end_epoch=2"]
+                                   ).model_dump(mode="json"), space.fixed)
+    plan = plan_trials(space, base, "grid", None, seed=0)
+    assert plan.variants == [{"model.args.dynamic_img_size": True}]
+    (pruned,) = plan.pruned
+    assert pruned["knobs"] == {"model.args.dynamic_img_size": False}
+    assert "deit_tiny_p16 cannot train at 16 px, the crop size of epoch 1" in pruned["reason"]

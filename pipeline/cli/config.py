@@ -91,7 +91,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from pipeline.components.modeling import check_model, checked_training_sizes, describe_sizes
+    from pipeline.components.modeling import check_model, checked_training_sizes
+    from pipeline.data.progressive_resolution import describe_sizes
 
     cfg = load_config(args.config, args.overrides)
     params = check_model(cfg.model)

@@ -9,7 +9,7 @@ from torch import nn
 
 import models  # noqa: F401  (registers vitsweep's variants with timm)
 from pipeline.config.schema import ModelConfig, ProgressiveResolutionConfig
-from pipeline.data.progressive_resolution import training_sizes
+from pipeline.data.progressive_resolution import describe_sizes, training_sizes
 from pipeline.errors import ConfigError
 
 
@@ -98,33 +98,38 @@ def patch_step(model: nn.Module) -> int:
     return embed.img_size[0] // embed.grid_size[0]
 
 
+def size_problem(model: nn.Module, size: int) -> str | None:
+    """Why ``model`` (on the meta device) cannot run a batch of ``size`` px images, else None."""
+    try:
+        with torch.no_grad():
+            model.eval()(torch.empty(2, 3, size, size, device="meta"))
+    except NotImplementedError:
+        return None  # an op without a meta kernel: nothing more to learn on the meta device
+    except Exception as err:  # noqa: BLE001  (timm's forward passes assert; any failure is a bad config)
+        hint = (" (timm's ViTs take other sizes with model.args.dynamic_img_size=true)"
+                if "doesn't match model" in str(err) else "")
+        return f"{_reason(err)}{hint}"
+    return None
+
+
 def checked_training_sizes(cfg: ModelConfig, progressive: ProgressiveResolutionConfig, epochs: int) -> list[int]:
     """Each epoch's crop size under ``data.progressive``, the model built and run at every one of them on the
     meta device; a ConfigError naming the first size it cannot train at (a ViT's fixed position table, ...)."""
     model = checked_model(cfg)
     sizes = training_sizes(progressive, cfg.img_size, epochs, patch_step(model))
     for size in sorted(set(sizes)):
-        try:
-            with torch.no_grad():
-                model.eval()(torch.empty(2, 3, size, size, device="meta"))
-        except NotImplementedError:
-            pass  # an op without a meta kernel: nothing more to learn on the meta device
-        except Exception as err:  # noqa: BLE001  (timm's forward passes assert; any failure is a bad config)
-            hint = (" (timm's ViTs take other sizes with model.args.dynamic_img_size=true)"
-                    if "doesn't match model" in str(err) else "")
-            epoch = sizes.index(size) + 1
-            raise ConfigError(f"data.progressive: {cfg.name} cannot train at {size} px, the crop size of epoch {epoch} "
-                              f"(sizes: {describe_sizes(sizes)}): {_reason(err)}{hint}") from None
+        problem = size_problem(model, size)
+        if problem:
+            raise ConfigError(f"data.progressive: {cfg.name} cannot train at {size} px, the crop size of epoch "
+                              f"{sizes.index(size) + 1} (sizes: {describe_sizes(sizes)}): {problem}")
     return sizes
 
 
-def describe_sizes(sizes: list[int]) -> str:
-    """Each epoch's crop size, as runs: "8 px epochs 1-2, 16 px epochs 3-4"."""
-    runs: list[tuple[int, int, int]] = []
-    for epoch, size in enumerate(sizes, start=1):
-        if runs and runs[-1][0] == size:
-            runs[-1] = (size, runs[-1][1], epoch)
-        else:
-            runs.append((size, epoch, epoch))
-    return ", ".join(f"{size} px epoch{'s' if first != last else ''} {first}{f'-{last}' if first != last else ''}"
-                     for size, first, last in runs)
+def training_sizes_problem(cfg: ModelConfig, progressive: ProgressiveResolutionConfig | None, epochs: int) -> str | None:
+    """Why the model cannot train at one of ``data.progressive``'s sizes (``checked_training_sizes``), else None."""
+    try:
+        if progressive is not None:
+            checked_training_sizes(cfg, progressive, epochs)
+    except ConfigError as err:
+        return str(err)
+    return None

@@ -72,13 +72,14 @@ class PaperRecipe:
         return {**row.recipe, **{key: cited for key, cited in self.recipe.items() if key not in row.recipe}}
 
     def row_of(self, flat: dict[str, Any]) -> PaperRow:
-        """The row a config's flat values train: the one with its model and, among those, with a teacher
-        where the config has one (a distilled row); else the paper's first row."""
+        """The row a config's flat values train: of the rows with its model (with a teacher where the config
+        has one: a distilled row), the one it departs from least, the first of those; with no row of its
+        model, the paper's first row."""
         models = [row for row in self.rows.values() if self.values(row)["model.name"].value == flat.get("model.name")]
         taught = [row for row in models
                   if (self.values(row).get("distill.teacher", Cited(None, "")).value is None)
                   == (_teacher(flat) is None)]
-        return (taught or models or list(self.rows.values()))[0]
+        return min(taught or models or list(self.rows.values())[:1], key=lambda row: len(departures(flat, self, row)))
 
     def describe(self, row: PaperRow) -> str:
         return f"paper {self.paper} ({self.title}), row {row.name}: {row.table}"

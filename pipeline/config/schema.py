@@ -534,6 +534,7 @@ class DistillConfig(_Section):
     # runs:/RUN_ID/model, models:/NAME/VERSION or @ALIAS, a downloaded MLflow model): its card names the
     # architecture and the normalisation it was trained with (pipeline.trained.teacher).
     teacher_from: str | None = Field(None, min_length=1)
+    teacher_ema: bool = False  # teacher_from's EMA weights (as model.init_ema)
     kind: Literal["hard", "soft"] = "hard"  # DeiT's --distillation-type
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
     tau: float = Field(1.0, gt=0.0)  # soft only; DeiT's main.py: 1.0 (its paper's soft row: 3.0 with alpha 0.1)
@@ -553,6 +554,8 @@ class DistillConfig(_Section):
 
     @model_validator(mode="after")
     def _teacher_needs_weights(self) -> DistillConfig:
+        if self.teacher_ema and self.teacher_from is None:
+            raise ValueError("teacher_ema takes the EMA weights of distill.teacher_from, which is not set")
         if self.teacher_from is not None and (self.teacher or self.teacher_checkpoint or self.teacher_args):
             raise ValueError("teacher_from gives the teacher whole (its card names the model); teacher, teacher_args "
                              "and teacher_checkpoint give it as a timm name and a weights file: give one of the two")

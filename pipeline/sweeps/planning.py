@@ -29,7 +29,7 @@ from typing import Any
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import get_dotted, validate, with_dotted
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.components.modeling import model_problem
+from pipeline.components.modeling import checked_training_sizes, model_problem, training_sizes_problem
 from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
 from pipeline.trained.transfer import fill_template, plan_transfer, shapes_of
 
@@ -71,7 +71,7 @@ def _one_line(err: Exception) -> str:
 
 
 class TrialChecker:
-    """Resolves candidates; each distinct model section is built once."""
+    """Resolves candidates; each distinct model section (with its progressive crop sizes) is built once."""
 
     def __init__(self, space: SearchSpace, base_tree: dict[str, Any]):
         self.space, self.base_tree = space, base_tree
@@ -83,9 +83,12 @@ class TrialChecker:
             config, knobs = resolve_trial(self.space, self.base_tree, sampled)
         except ConfigError as err:
             return Candidate(assignment, dict(assignment), None, _one_line(err))
-        key = json.dumps(config.model.model_dump(mode="json"), sort_keys=True)
-        if key not in self._models:
-            self._models[key] = model_problem(config.model)
+        progressive = config.data.progressive
+        key = json.dumps([config.model.model_dump(mode="json"), progressive and progressive.model_dump(),
+                          config.optim.epochs], sort_keys=True)
+        if key not in self._models:  # the model at its size, and at each crop size data.progressive feeds it
+            self._models[key] = (model_problem(config.model)
+                                 or training_sizes_problem(config.model, progressive, config.optim.epochs))
         problem = self._models[key]
         return Candidate(assignment, knobs, None if problem else config, problem)
 
@@ -205,27 +208,37 @@ def check_initial_weights(candidates: list[Candidate], num_classes: int, trackin
     return sources
 
 
+def crop_sizes(config: ExperimentConfig) -> list[int]:
+    """The input sizes a trial's model (and teacher) is fed: data.progressive's, else model.img_size."""
+    if config.data.progressive is None:
+        return [config.model.img_size]
+    return checked_training_sizes(config.model, config.data.progressive, config.optim.epochs)
+
+
 def check_teachers(candidates: list[Candidate], num_classes: int, tracking_uri: str) -> dict[tuple[str, bool], Any]:
     """Every trial's ``distill.teacher_from`` resolved once and checked at each input size it teaches
     (``pipeline.trained.teacher``), before any trial runs: SpaceError naming the trials' knobs when one does not
-    resolve or teach. Returns the sources keyed as ``check_initial_weights``' are (the source, no EMA): the
+    resolve or teach. Returns the sources keyed as ``check_initial_weights``' are (the source, its EMA?): the
     sweep saves both alike."""
     from pipeline.trained.model_source import resolve_model_source
     from pipeline.trained.teacher import check_teacher
 
     sources: dict[tuple[str, bool], Any] = {}
-    checked: set[tuple[str, int]] = set()
+    checked: set[str] = set()
     for candidate in candidates:
-        teacher_from, img_size = candidate.config.distill.teacher_from, candidate.config.model.img_size
-        if teacher_from is None:
+        config = candidate.config
+        key = (config.distill.teacher_from, config.distill.teacher_ema)
+        if key[0] is None:
             continue
         try:
-            if (teacher_from, False) not in sources:
-                sources[teacher_from, False] = resolve_model_source(
-                    teacher_from, storage_path=candidate.config.run.storage_path, tracking_uri=tracking_uri)
-            if (teacher_from, img_size) not in checked:
-                check_teacher(sources[teacher_from, False], num_classes, img_size)
-                checked.add((teacher_from, img_size))
+            if key not in sources:
+                sources[key] = resolve_model_source(key[0], storage_path=config.run.storage_path,
+                                                    tracking_uri=tracking_uri, ema=key[1])
+            fit = json.dumps([*key, config.model.img_size, config.data.progressive and
+                              config.data.progressive.model_dump(), config.optim.epochs])
+            if fit not in checked:
+                check_teacher(sources[key], num_classes, config.model.img_size, crop_sizes(config))
+                checked.add(fit)
         except InvalidInputError as err:
             raise SpaceError(f"trials with {_knobs_text(candidate.knobs)}: {err}") from None
     return sources

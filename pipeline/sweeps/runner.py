@@ -73,7 +73,7 @@ class Sweep:
     parent_run_id: str | None = None
     created: float = 0.0
     # The trials' model sources, resolved while checking, by (model.init_from, model.init_ema) and
-    # (distill.teacher_from, False); saved into the sweep directory when it starts (a resumed sweep has
+    # (distill.teacher_from, distill.teacher_ema); saved into the sweep directory when it starts (a resumed sweep has
     # them there already).
     sources: dict[tuple[str, bool], Any] = field(default_factory=dict, repr=False)
 

@@ -24,12 +24,12 @@ from pipeline.ray_connection import WORKER_GROUP_START_TIMEOUT_S
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.training.runs import (CheckedRun, ModelFacts, ResolvedData, begin_attempt, build_trainer, fit_and_record,
                                     open_mlflow_run)
-from pipeline.sweeps.planning import resolve_trial
+from pipeline.sweeps.planning import crop_sizes, resolve_trial
 from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import PRUNED, open_child_run
 from pipeline.sweeps.trial_stop import TrialStopWatch
-from pipeline.trained.teacher import TeacherWeights
+from pipeline.trained.teacher import saved_teacher
 from pipeline.trained.transfer import saved_initial_weights, sweep_source_location
 from pipeline.tracking.store import MlflowRun
 from pipeline.training.oom import (OOM, RETRIES_TAG, SPLIT_TAG, ran_out_of_memory, smaller_micro_batch, split,
@@ -76,14 +76,17 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     except ConfigError:
         return
     try:
-        facts = ModelFacts.measure(cfg.model, plan.data.num_classes)  # built and run once on the meta device
+        sizes = crop_sizes(cfg)  # data.progressive's, each run on the meta device
+        facts = ModelFacts.measure(cfg.model, plan.data.num_classes, sizes if cfg.data.progressive else ())
         init = (saved_initial_weights(sweep_source_location(plan.init_sources, cfg.model.init_from,
                                                             cfg.model.init_ema), cfg.model, plan.data.num_classes)
                 if cfg.model.init_from else None)
+        teacher = (saved_teacher(sweep_source_location(plan.init_sources, cfg.distill.teacher_from,
+                                                       cfg.distill.teacher_ema), plan.data.num_classes,
+                                 cfg.model.img_size, sizes)
+                   if cfg.distill.teacher_from else None)
     except InvalidInputError:
         return
-    teacher = (TeacherWeights(sweep_source_location(plan.init_sources, cfg.distill.teacher_from, False))
-               if cfg.distill.teacher_from else None)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": trial_id})})
     run = CheckedRun(cfg, plan.data, facts, trial_id, plan.trial_storage, plan.tracking_uri, init, teacher)
 

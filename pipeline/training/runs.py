@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -87,10 +88,13 @@ class ModelFacts:
     family: str
     paper: str
     summary: str  # per-module parameter breakdown and the module tree (model_summary.txt)
+    # data.progressive: the forward multiply-adds per image at each of its crop sizes (TFLOP/s and MFU)
+    gmacs_by_size: dict[int, float] = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, cfg: ModelConfig, num_classes: int) -> ModelFacts:
-        """Raises ConfigError when the model cannot be built or run with these overrides."""
+    def measure(cls, cfg: ModelConfig, num_classes: int, sizes: Sequence[int] = ()) -> ModelFacts:
+        """Raises ConfigError when the model cannot be built or run with these overrides; ``sizes``: the
+        training crop sizes to count multiply-adds at besides ``cfg.img_size`` (``checked_training_sizes``)."""
         model = checked_model(cfg, num_classes)
         params = count_params(model)
         lines = [f"{cfg.name} {cfg.args} img_size={cfg.img_size} num_classes={num_classes}",
@@ -101,6 +105,7 @@ class ModelFacts:
             name=cfg.name, params=params, gflops=round(count_gmacs(model, cfg.img_size), 4),
             family=variant.family if variant else "timm", paper=variant.paper if variant else "",
             summary="\n".join(lines) + "\n\n" + repr(model) + "\n",
+            gmacs_by_size={size: count_gmacs(model, size) for size in set(sizes)},
         )
 
     def as_params(self) -> dict[str, Any]:
@@ -238,9 +243,10 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     """
     cfg = cfg.with_absolute_paths()
     data = resolve_data(cfg)
-    facts = ModelFacts.measure(cfg.model, data.num_classes)
-    if cfg.data.progressive is not None:  # the model must run at every crop size, not only model.img_size
-        checked_training_sizes(cfg.model, cfg.data.progressive, cfg.optim.epochs)
+    # data.progressive: the model must run at every crop size, not only model.img_size
+    sizes = (checked_training_sizes(cfg.model, cfg.data.progressive, cfg.optim.epochs)
+             if cfg.data.progressive is not None else [cfg.model.img_size])
+    facts = ModelFacts.measure(cfg.model, data.num_classes, sizes if cfg.data.progressive is not None else ())
     if cfg.distill.teacher is not None:
         build_teacher(cfg.distill, data.num_classes)  # its checkpoint must fit before any worker loads it
     storage = cfg.run.storage_path
@@ -253,8 +259,8 @@ def check_run(cfg: ExperimentConfig, address: str | None = None) -> CheckedRun:
     check_resumable(Path(storage) / run_name, cfg, data.num_classes)
     init = (resolve_initial_weights(cfg.model, data.num_classes, uris.join(storage, run_name), storage, tracking_uri)
             if cfg.model.init_from else None)
-    teacher = (resolve_teacher(cfg.distill, data.num_classes, cfg.model.img_size, uris.join(storage, run_name), storage,
-                               tracking_uri)
+    teacher = (resolve_teacher(cfg.distill, data.num_classes, cfg.model.img_size, sizes, uris.join(storage, run_name),
+                               storage, tracking_uri)
                if cfg.distill.teacher_from else None)
     if not is_new_local_store(tracking_uri):
         MlflowStore(tracking_uri).find_experiment(cfg.tracking.experiment)
@@ -379,7 +385,8 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, co
     plan = WorkerPlan(cfg.model_dump(mode="json"), run.data.num_classes, launched_at, mlflow_run.uri, mlflow_run.run_id,
                       run.facts.gflops, lr=effective_lr(cfg.optim, cfg.scaling.num_workers), announce=announce,
                       model_card=run.card.as_dict(), init_weights=run.init.for_workers() if run.init is not None else None,
-                      teacher_source=run.teacher.location if run.teacher is not None else None)
+                      teacher_source=run.teacher.location if run.teacher is not None else None,
+                      gmacs_by_size=run.facts.gmacs_by_size)
     return TorchTrainer(
         train_worker,
         train_loop_config=plan.as_dict(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ import ray.train
 import ray.train.torch
 import torch
 
-from models.measure import count_gmacs
 from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
     save_final_weights, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
@@ -70,6 +69,7 @@ class WorkerPlan:
     # model.init_from: {"location": the saved source, "plan": TransferPlan.as_dict()} (InitialWeights.for_workers)
     init_weights: dict[str, Any] | None = None
     teacher_source: str | None = None  # distill.teacher_from: the saved source (TeacherWeights.location)
+    gmacs_by_size: dict[int, float] = field(default_factory=dict)  # data.progressive's (ModelFacts.gmacs_by_size)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,13 +141,10 @@ class Trainer:
                                  TransferPlan.from_dict(self.plan.init_weights["plan"]))
         if cfg.model.freeze == "backbone":
             freeze_backbone(model)
-        # data.progressive: each epoch's crop size, rounded to this model's patch (the driver ran the model at
-        # each), and the multiply-adds an image costs at each (TFLOP/s and MFU: fewer at a smaller size)
-        self.training_sizes, self.gmacs_by_size = None, {cfg.model.img_size: self.plan.gmacs_per_image}
-        if cfg.data.progressive is not None:
-            self.training_sizes = training_sizes(cfg.data.progressive, cfg.model.img_size, cfg.optim.epochs,
-                                                 patch_step(model))
-            self.gmacs_by_size.update({size: count_gmacs(model, size) for size in set(self.training_sizes)})
+        # data.progressive: each epoch's crop size, rounded to this model's patch (the driver ran the model at each)
+        self.training_sizes = (training_sizes(cfg.data.progressive, cfg.model.img_size, cfg.optim.epochs,
+                                              patch_step(model))
+                               if cfg.data.progressive is not None else None)
         optimizer = build_optimizer(model, cfg.optim, self.plan.lr)
         steps_per_epoch = max(1, len(self.train_loader) // cfg.optim.grad_accum_steps)
         scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch)
@@ -264,7 +261,7 @@ class Trainer:
                 return  # no retry: the run is recorded FAILED
             images_per_sec = stats.samples / stats.seconds
             size = self.cfg.model.img_size if self.training_sizes is None else self.training_sizes[epoch]
-            gmacs = self.gmacs_by_size[size]
+            gmacs = self.plan.gmacs_by_size.get(size, self.plan.gmacs_per_image)  # an image's, at its size
             # lr: the schedule's, the head's under layer-wise decay (the lower layers' are smaller).
             metrics = {"epoch": epoch + 1, "train_loss": stats.mean_loss, "lr": max(self.engine.get_lr()),
                        "images_per_sec": images_per_sec,
