@@ -16,8 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline import uris
 from pipeline.config import papers
-from pipeline.config.schema import (EFFECTIVE_LR_PARAM, GLOBAL_BATCH_PARAM, LR_REFERENCE_BATCH, SECRET_VALUE_ERROR,
-    ExperimentConfig)
+from pipeline.config.fields import SECRET_VALUE_ERROR
+from pipeline.config.schema import EFFECTIVE_LR_PARAM, GLOBAL_BATCH_PARAM, LR_REFERENCE_BATCH, ExperimentConfig
 from pipeline.errors import ConfigError
 from pipeline.uris import location_problem
 

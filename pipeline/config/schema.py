@@ -2,97 +2,26 @@
 
 Each section is a pydantic model whose fields carry their defaults and limits; a config never holds an
 invalid value (unknown keys, out-of-range numbers and unusable paths are refused on load and on
-assignment). Everything downstream (DeepSpeed JSON, Ray scaling, FFCV pipelines, MLflow params) is
-derived from this object, never re-typed. Defaults follow the DeiT recipe the papers train with. Reading
-it from presets, YAML files and ``--set`` overrides is ``pipeline.config.loading``'s.
+assignment: ``pipeline.config.fields``). Everything downstream (DeepSpeed JSON, Ray scaling, FFCV
+pipelines, MLflow params) is derived from this object, never re-typed. Defaults follow the DeiT recipe the
+papers train with. Reading it from presets, YAML files and ``--set`` overrides is ``pipeline.config.loading``'s.
 """
 from __future__ import annotations
 
-import difflib
-import math
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pipeline import uris
+from pipeline.config.fields import (SECRET_VALUE_ERROR, Section, check_directory, check_file, check_location,
+    check_registered)
 from pipeline.config.specs import MetricTarget, profiled_steps
-from pipeline.uris import location_problem, uri_password_problem
-
-# The largest integer any config value may hold: torch, numpy, numba (ffcv's loaders) and Optuna
-# all take 32-bit counts and seeds; a larger one overflows inside a worker, long after validation.
-MAX_INT = 2**31 - 1
+from pipeline.uris import uri_password_problem
 
 
-def number_problem(value: Any) -> str | None:
-    """Why a number inside a free-form value (``model.args``) cannot be passed on, else None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{value} is not a finite number"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        return f"{value} is outside +-{MAX_INT}, the 32-bit range torch, numpy and ffcv take"
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return next((problem for item in value if (problem := number_problem(item))), None)
-    return None
-
-
-class _Section(BaseModel):
-    # Unknown keys are errors (a misspelt key must never be silently ignored); values are
-    # re-validated when assigned so a config never holds an invalid value. inf and nan are
-    # refused in every float field (lr=1e400 would train, then "diverge").
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _numbers_fit_the_libraries(cls, value: Any) -> Any:
-        problem = number_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-
-def check_registered(name: str) -> str:
-    """``name`` if timm (with vitsweep's variants) can build it, else a ValueError with close names."""
-    import timm
-
-    import models  # noqa: F401  (registers vitsweep's variants)
-
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-        hint = f"; did you mean one of {close}" if close else ""
-        raise ValueError(f"{name!r} is not a registered model{hint} (see `vitsweep models list`)")
-    return name
-
-
-# Error type of a value that must not be echoed back (it holds a secret).
-SECRET_VALUE_ERROR = "secret_value"
-
-
-def _refuse(problem: str | None) -> None:
-    if problem:
-        # Neither the value nor the input is echoed: it may hold a secret.
-        raise PydanticCustomError(SECRET_VALUE_ERROR, problem)
-
-
-def _check_file(location: str | None) -> str | None:
-    _refuse(location_problem(location, kind="file"))
-    return location
-
-
-def _check_directory(location: str | None) -> str | None:
-    _refuse(location_problem(location, kind="directory"))
-    return location
-
-
-def _check_location(location: str | None) -> str | None:
-    """A file or a directory (``model.init_from`` names either)."""
-    _refuse(location_problem(location))
-    return location
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which registered model to build, and the keyword overrides it is built with."""
 
     name: str = "xcit_nano_12_p16"
@@ -113,7 +42,7 @@ class ModelConfig(_Section):
     # loaded and runs in eval mode (no dropout, BatchNorm on its running statistics).
     freeze: Literal["none", "backbone"] = "none"
 
-    _usable_source = field_validator("init_from")(_check_location)
+    _usable_source = field_validator("init_from")(check_location)
 
     @field_validator("name")
     @classmethod
@@ -136,7 +65,7 @@ class ModelConfig(_Section):
         return args
 
 
-class AugmentConfig(_Section):
+class AugmentConfig(Section):
     """DeiT's batch recipe (papers 000-004 all train with it); 0 / null switches a part off.
 
     RandAugment runs batched on the training device, inside the FFCV train pipeline (per-sample ops
@@ -171,7 +100,7 @@ class AugmentConfig(_Section):
         return spec
 
 
-class ProgressiveResolutionConfig(_Section):
+class ProgressiveResolutionConfig(Section):
     """Progressive resizing (ffcv-imagenet's ``resolution`` section): the training crops grow from
     ``start_size`` to ``model.img_size``, linearly from epoch ``start_epoch`` (its last epoch at
     ``start_size``) to ``end_epoch`` (its first at ``model.img_size``), each size rounded to the model's
@@ -190,7 +119,7 @@ class ProgressiveResolutionConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """FFCV datasets and loader options; paths may be local or URIs (s3://, gs://, file://).
 
     A plain path is read in place; a URI is copied once per node into ``cache_dir`` and read there.
@@ -224,8 +153,8 @@ class DataConfig(_Section):
     stage_streams: int = Field(16, ge=1, le=256)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
-    _usable_locations = field_validator("train", "val")(_check_file)
-    _usable_cache = field_validator("cache_dir")(_check_directory)
+    _usable_locations = field_validator("train", "val")(check_file)
+    _usable_cache = field_validator("cache_dir")(check_directory)
 
     @model_validator(mode="after")
     def _repeats_are_shuffled(self) -> DataConfig:
@@ -257,7 +186,7 @@ class DataConfig(_Section):
         return std
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """Per-step learning-rate schedule: linear warmup, then cosine decay (DeiT recipe).
 
     The schedule peaks at the run's learning rate (``optim.lr``, or ``optim.lr_per_512`` scaled to
@@ -287,7 +216,7 @@ GLOBAL_BATCH_PARAM = "optim.global_batch_size"
 LR_REFERENCE_BATCH = 512  # optim.lr_per_512 is the rate at this global batch (DeiT: 5e-4 per 512)
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW and the batch geometry; global batch = micro_batch_size x grad_accum_steps x world size.
 
     The learning rate is given one way: ``lr`` (absolute) or ``lr_per_512`` (per 512 images of
@@ -360,7 +289,7 @@ class OptimConfig(_Section):
         return self
 
 
-class DeepSpeedConfig(_Section):
+class DeepSpeedConfig(Section):
     """The DeepSpeed engine: ZeRO stage and precision (the JSON is derived from the whole config)."""
 
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -395,7 +324,7 @@ class DeepSpeedConfig(_Section):
         return self
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     """Ray Train workers; on a GPU cluster, one worker per GPU."""
 
     num_workers: int = Field(2, ge=1)
@@ -423,7 +352,7 @@ class ScalingConfig(_Section):
         return self
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow: where runs are recorded. No URI: a SQLite file under run.storage_path."""
 
     mlflow_uri: str | None = None
@@ -438,7 +367,7 @@ class TrackingConfig(_Section):
         return uri
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Identity, storage, checkpointing and fault tolerance of one training run."""
 
     name: str | None = None
@@ -463,7 +392,7 @@ class RunConfig(_Section):
     # time and accelerator-hours it took (pipeline.training.cost). null: no target.
     target_metric: str | None = None
 
-    _usable_storage = field_validator("storage_path")(_check_directory)
+    _usable_storage = field_validator("storage_path")(check_directory)
 
     @field_validator("target_metric", mode="before")
     @classmethod
@@ -489,7 +418,7 @@ class RunConfig(_Section):
         return None if self.profile is None else profiled_steps(self.profile)
 
 
-class TuneConfig(_Section):
+class TuneConfig(Section):
     """A Ray Tune sweep (`vitsweep tune`): searcher, scheduler, budget. `vitsweep train` ignores it.
 
     Every trial trains with this config's `scaling` (its own Ray Train workers) plus a trial function
@@ -515,14 +444,14 @@ class TuneConfig(_Section):
     # (`vitsweep tune --resume DIR --set tune.budget_hours=MORE`). null: no budget.
     budget_hours: float | None = Field(None, gt=0.0)
 
-    _usable_storage = field_validator("storage_path")(_check_directory)
+    _usable_storage = field_validator("storage_path")(check_directory)
 
     @property
     def mode(self) -> Literal["max", "min"]:
         return "min" if self.metric.endswith("loss") else "max"
 
 
-class DistillConfig(_Section):
+class DistillConfig(Section):
     """DeiT's distillation (papers 000, 002, 003 report distilled results): the student learns from
     (1 - alpha)·task loss + alpha·distillation loss, hard (CE to the teacher's argmax) or soft (KL to
     the teacher's softmax at temperature tau). No teacher: off."""
@@ -539,8 +468,8 @@ class DistillConfig(_Section):
     alpha: float = Field(0.5, gt=0.0, le=1.0)  # DeiT: 0.5
     tau: float = Field(1.0, gt=0.0)  # soft only; DeiT's main.py: 1.0 (its paper's soft row: 3.0 with alpha 0.1)
 
-    _usable_checkpoint = field_validator("teacher_checkpoint")(_check_file)
-    _usable_source = field_validator("teacher_from")(_check_location)
+    _usable_checkpoint = field_validator("teacher_checkpoint")(check_file)
+    _usable_source = field_validator("teacher_from")(check_location)
 
     @property
     def enabled(self) -> bool:
@@ -569,7 +498,7 @@ class DistillConfig(_Section):
         return self
 
 
-class ExperimentConfig(_Section):
+class ExperimentConfig(Section):
     """Everything one training run needs; sections mirror the pipeline's components."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)

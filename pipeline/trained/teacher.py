@@ -11,16 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline import uris
 from pipeline.components.distillation import frozen_teacher
-from pipeline.components.modeling import checked_model, size_problem
+from pipeline.components.modeling import build_model, checked_model, size_problem
 from pipeline.config.schema import DistillConfig
 from pipeline.errors import ConfigError, InvalidInputError
-from pipeline.trained.model_source import ModelSource, resolve_model_source
-from pipeline.trained.transfer import read_saved_source, save_source, saved_source_exists
+from pipeline.trained.transfer import (read_saved_source, read_saved_weights, save_source, saved_source_card,
+    saved_source_exists)
+
+if TYPE_CHECKING:  # the driver's side resolves sources (MLflow among them); a worker only reads the saved file
+    from pipeline.trained.model_source import ModelSource
 
 TEACHER_FILE = "teacher_source.safetensors"  # in a run directory: the teacher the run distils from
 
@@ -79,6 +83,8 @@ def resolve_teacher(distill: DistillConfig, num_classes: int, img_size: int, siz
                 f"{run_dir} distils from the teacher it saved when it started, {_named(*saved)}; this config names "
                 f"{_named(distill.teacher_from, distill.teacher_ema)}: give the run another run.name")
     else:
+        from pipeline.trained.model_source import resolve_model_source
+
         source = resolve_model_source(distill.teacher_from, storage_path=storage_path, tracking_uri=tracking_uri,
                                       ema=distill.teacher_ema)
     check_teacher(source, num_classes, img_size, sizes)
@@ -99,8 +105,10 @@ def _named(given: str, ema: bool) -> str:
 
 
 def load_teacher(location: str, img_size: int, device: torch.device | str = "cpu"):
-    """A worker's teacher: the saved source built at the student's ``img_size``, frozen, normalised as trained."""
-    source = read_saved_source(location)
-    preprocessing = source.card.preprocessing
-    return frozen_teacher(source.build(img_size), device,
-                          None if preprocessing is None else (preprocessing.mean, preprocessing.std))
+    """A worker's teacher: the saved source's model at the student's ``img_size`` with its weights, frozen,
+    normalised as trained (read without MLflow, which a worker does not import)."""
+    card = saved_source_card(location)
+    model = build_model(card.model.model_copy(update={"img_size": img_size}), card.num_classes)
+    model.load_state_dict(read_saved_weights(location))
+    preprocessing = card.preprocessing
+    return frozen_teacher(model.eval(), device, None if preprocessing is None else (preprocessing.mean, preprocessing.std))

@@ -326,15 +326,24 @@ def _header(prefix: bytes | None, read, location: str) -> dict[str, Any]:
     return json.loads(read(size))
 
 
+def saved_source_card(location: str) -> ModelCard | None:
+    """A saved source's card, read from its header only (and without MLflow: a worker reads it)."""
+    header = _header(uris.read_bytes(location, 8), lambda size: uris.read_bytes(location, size, offset=8), location)
+    return _card(header, location)
+
+
+def _card(header: dict[str, Any], location: str) -> ModelCard | None:
+    card = (header.get("__metadata__") or {}).get(_METADATA["card"])
+    return ModelCard.from_dict(json.loads(card), location) if card else None
+
+
 def _described(header: dict[str, Any], location: str) -> tuple[ModelCard | None, Provenance]:
     from pipeline.trained.model_source import Provenance
 
     metadata = header.get("__metadata__") or {}
     if _METADATA["provenance"] not in metadata:
         raise InvalidInputError(f"{location} was not written by vitsweep's save_source (no provenance)")
-    card = metadata.get(_METADATA["card"])
-    return (ModelCard.from_dict(json.loads(card), location) if card else None,
-            Provenance(**json.loads(metadata[_METADATA["provenance"]])))
+    return _card(header, location), Provenance(**json.loads(metadata[_METADATA["provenance"]]))
 
 
 # -- a run's initial weights ------------------------------------------------------------------------------
