@@ -110,13 +110,16 @@ def test_a_sweep_prunes_the_trials_whose_model_cannot_take_a_crop_size_before_an
     from pipeline.sweeps.planning import plan_trials
     from pipeline.sweeps.spaces import parse_space
 
-    # a ViT with a fixed position table takes no crop but its own; with dynamic_img_size it takes them all
-    space = parse_space("params:\n  model.args.dynamic_img_size: {values: [false, true]}\n", "test", "test.yaml")
+    # A ViT with a fixed position table takes no crop but its own, with dynamic_img_size it takes them all; a
+    # start of 24 px rounds to 2 patches of 16, the model's own 32 px: no smaller crop at all.
+    space = parse_space("params:\n  model.args.dynamic_img_size: {values: [false, true]}\n"
+                        "  data.progressive.start_size: {values: [16, 24]}\n", "test", "test.yaml")
     base = with_dotted(load_config("smoke", ["model.name=deit_tiny_p16", "model.img_size=32", "optim.epochs=2",
                                              "data.progressive.start_size=16", "data.progressive.end_epoch=2"]
                                    ).model_dump(mode="json"), space.fixed)
     plan = plan_trials(space, base, "grid", None, seed=0)
-    assert plan.variants == [{"model.args.dynamic_img_size": True}]
+    assert len(plan.variants) == 3 and {"model.args.dynamic_img_size": False,
+                                        "data.progressive.start_size": 16} not in plan.variants
     (pruned,) = plan.pruned
-    assert pruned["knobs"] == {"model.args.dynamic_img_size": False}
+    assert pruned["knobs"] == {"model.args.dynamic_img_size": False, "data.progressive.start_size": 16}
     assert "deit_tiny_p16 cannot train at 16 px, the crop size of epoch 1" in pruned["reason"]

@@ -195,8 +195,12 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def _is_section(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: its model, also where it may be null (``data.progressive``); else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def schema_problem(key: str) -> str | None:
@@ -217,8 +221,8 @@ def schema_problem(key: str) -> str | None:
             hint = f" (did you mean {'.'.join([*parts[:depth], close[0]])!r}?)" if close else ""
             return f"{key!r} is not a config key{hint}; valid keys under {prefix or 'the config'}: {', '.join(fields)}"
         annotation = fields[part].annotation
-        if _is_section(annotation):
-            section = annotation
+        if _section(annotation) is not None:
+            section = _section(annotation)
             continue
         rest, here = parts[depth + 1:], ".".join(parts[:depth + 1])
         if typing.get_origin(annotation) is dict:  # model.args: the model's constructor arguments
@@ -237,9 +241,9 @@ def _section_keys(loc: tuple[Any, ...]) -> list[str]:
     section: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
         field = section.model_fields.get(str(part))
-        if field is None or not _is_section(field.annotation):
+        if field is None or _section(field.annotation) is None:
             return []
-        section = field.annotation
+        section = _section(field.annotation)
     return list(section.model_fields)
 
 
