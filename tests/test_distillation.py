@@ -207,6 +207,14 @@ def test_a_restarted_run_keeps_its_saved_teacher_and_refuses_another(teacher_sou
         resolve_teacher(DistillConfig(teacher_from="runs:/0123/model", teacher_ema=True), **run)
 
 
+def test_a_teacher_that_names_no_model_source_is_refused_naming_the_key(tmp_path):
+    from pipeline.trained.teacher import resolve_teacher
+
+    with pytest.raises(InvalidInputError, match=r"^distill.teacher_from: model source 'nosuchrun' does not exist"):
+        resolve_teacher(DistillConfig(teacher_from="nosuchrun"), num_classes=10, img_size=16, sizes=[16],
+                        run_dir=str(tmp_path / "run"), storage_path=str(tmp_path), tracking_uri="unused:")
+
+
 def test_teacher_ema_takes_a_sources_ema_and_needs_one():
     assert DistillConfig(teacher_from="digits16", teacher_ema=True).teacher_ema
     with pytest.raises(ValueError, match="teacher_ema takes the EMA weights of distill.teacher_from, which is not set"):

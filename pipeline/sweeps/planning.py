@@ -220,8 +220,7 @@ def check_teachers(candidates: list[Candidate], num_classes: int, tracking_uri: 
     (``pipeline.trained.teacher``), before any trial runs: SpaceError naming the trials' knobs when one does not
     resolve or teach. Returns the sources keyed as ``check_initial_weights``' are (the source, its EMA?): the
     sweep saves both alike."""
-    from pipeline.trained.model_source import resolve_model_source
-    from pipeline.trained.teacher import check_teacher
+    from pipeline.trained.teacher import check_teacher, resolved_teacher
 
     sources: dict[tuple[str, bool], Any] = {}
     checked: set[str] = set()
@@ -232,8 +231,7 @@ def check_teachers(candidates: list[Candidate], num_classes: int, tracking_uri: 
             continue
         try:
             if key not in sources:
-                sources[key] = resolve_model_source(key[0], storage_path=config.run.storage_path,
-                                                    tracking_uri=tracking_uri, ema=key[1])
+                sources[key] = resolved_teacher(*key, config.run.storage_path, tracking_uri)
             fit = json.dumps([*key, config.model.img_size, config.data.progressive and
                               config.data.progressive.model_dump(), config.optim.epochs])
             if fit not in checked:

@@ -83,12 +83,19 @@ def resolve_teacher(distill: DistillConfig, num_classes: int, img_size: int, siz
                 f"{run_dir} distils from the teacher it saved when it started, {_named(*saved)}; this config names "
                 f"{_named(distill.teacher_from, distill.teacher_ema)}: give the run another run.name")
     else:
-        from pipeline.trained.model_source import resolve_model_source
-
-        source = resolve_model_source(distill.teacher_from, storage_path=storage_path, tracking_uri=tracking_uri,
-                                      ema=distill.teacher_ema)
+        source = resolved_teacher(distill.teacher_from, distill.teacher_ema, storage_path, tracking_uri)
     check_teacher(source, num_classes, img_size, sizes)
     return TeacherWeights(location, source)
+
+
+def resolved_teacher(teacher_from: str, ema: bool, storage_path: str, tracking_uri: str) -> ModelSource:
+    """``distill.teacher_from`` resolved as any model source; an InvalidInputError naming the key where it is none."""
+    from pipeline.trained.model_source import resolve_model_source
+
+    try:
+        return resolve_model_source(teacher_from, storage_path=storage_path, tracking_uri=tracking_uri, ema=ema)
+    except InvalidInputError as err:
+        raise InvalidInputError(f"distill.teacher_from: {err}") from None
 
 
 def saved_teacher(location: str, num_classes: int, img_size: int, sizes: Iterable[int]) -> TeacherWeights:
