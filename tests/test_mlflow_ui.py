@@ -220,6 +220,9 @@ def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, run
     assert "knob importance for val_top1: too few trials to say (2 configurations" in page["text"]
     # it reads as written: the space's description ends its own sentence, and its trials trained 1 epoch
     assert ".." not in page["text"] and "1 epoch each" in page["text"] and "after 1 epoch." in page["text"]
+    # the answers first (best trial, which knob mattered, what it cost), the recipe's departures after them
+    text = page["text"]
+    assert text.index("Best configuration") < text.index("Which knob mattered") < text.index("Recipe: closest to paper")
     assert page["images"] and all(width > 0 for width in page["images"])  # the plots, embedded and decoded
 
 

@@ -96,12 +96,12 @@ def summary_html(name: str, state: str, description: str, recipe: str, rows: lis
     sweep's figures."""
     trials = [r for r in rows if r.run_id]
     parts = [f"<h1>Sweep {html.escape(name)} ({html.escape(state)})</h1>", f"<p>{_markdown_inline(description)}</p>",
-             f"<p>{_markdown_inline(recipe)}</p>",
              "<h2>Best configuration</h2>", _best(best, metric),
              "<h2>Which knob mattered</h2>", f"<pre>{html.escape(format_importance(found))}</pre>"]
     if importance_plot is not None:
         parts.append(_image(importance_plot))
-    parts += [f"<h2>What it cost ({html.escape(spend.unit)})</h2>", _spend(spend, metric, plots)]
+    parts += [f"<h2>What it cost ({html.escape(spend.unit)})</h2>", _spend(spend, metric, plots),
+              "<h2>The recipe it ran under</h2>", f"<p>{_markdown_inline(recipe)}</p>"]
     if has_seeds(trials):
         parts += ["<h2>Each configuration over its seeds (completed trials)</h2>", _table(*seed_table(trials, metric, mode))]
     parts += [f"<h2>Trials, best first ({len(trials)} trials, {len(rows) - len(trials)} pruned)</h2>",
