@@ -49,14 +49,9 @@ def _checked_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         # build_model's message repeats the whole model section; callers show the knobs beside it.
         raise _Unbuildable(f"{cfg.name} cannot be built: "
                            f"{str(err).partition(' cannot be built: ')[2] or _reason(err)}") from None
-    try:
-        with torch.no_grad():
-            module.eval()(torch.empty(2, 3, cfg.img_size, cfg.img_size, device="meta"))
-    except NotImplementedError:
-        pass  # an op without a meta kernel: the successful build is the whole check
-    except Exception as err:  # noqa: BLE001
-        raise _Unbuildable(f"{cfg.name} builds but its forward pass fails at img_size={cfg.img_size}: "
-                           f"{_reason(err)}") from None
+    problem = size_problem(module, cfg.img_size)
+    if problem:
+        raise _Unbuildable(f"{cfg.name} builds but its forward pass fails at img_size={cfg.img_size}: {problem}")
     return module.train()
 
 
@@ -104,7 +99,7 @@ def size_problem(model: nn.Module, size: int) -> str | None:
         with torch.no_grad():
             model.eval()(torch.empty(2, 3, size, size, device="meta"))
     except NotImplementedError:
-        return None  # an op without a meta kernel: nothing more to learn on the meta device
+        return None  # an op without a meta kernel: the meta device can say no more (the build passed)
     except Exception as err:  # noqa: BLE001  (timm's forward passes assert; any failure is a bad config)
         hint = (" (timm's ViTs take other sizes with model.args.dynamic_img_size=true)"
                 if "doesn't match model" in str(err) else "")
