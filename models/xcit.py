@@ -5,16 +5,26 @@ architectures of paper 003 Table 1 (timm's ``xcit_*_224`` without the resolution
 default ``qkv="linear", head="linear"`` a model is timm's XCiT, weight for weight; e.g. paper 000's
 XCiT-N12 (F-SNE, 8*) is ``timm.create_model("xcit_nano_12_p16", qkv="fsne", code_size=8,
 match_baseline_params=True)``.
+
+``xcit_{size}_distilled_p16`` add DeiT's distillation token and head (``DistilledXCiT``), for the rows
+Table 1 marks as distilled.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+from timm.layers import trunc_normal_
+from timm.models import get_pretrained_cfg
 from timm.models.xcit import Xcit, checkpoint_filter_fn
+from torch import nn
 
 from models._registry import PaperFacts, build_on_timm_architecture, register_variant
+from models.layers.class_attention import attend_from_prefix_tokens
+from models.layers.heads import DistilledLogits, TokenHeadMixin
 from models.layers.qkv import QKVOverrideMixin
-from models.layers.heads import TokenHeadMixin
 
-__all__ = ["XCiT"]
+__all__ = ["DistilledXCiT", "XCiT"]
 
 
 class XCiT(TokenHeadMixin, QKVOverrideMixin, Xcit):
@@ -28,10 +38,76 @@ class XCiT(TokenHeadMixin, QKVOverrideMixin, Xcit):
     """
 
 
+class DistilledXCiT(QKVOverrideMixin, Xcit):
+    """timm's Xcit with DeiT's distillation token and head (DeiT §4), and a choice of Q/K/V embedding.
+
+    The token joins the class token where XCiT's class token enters, before the class-attention blocks, which
+    then update both (``models.layers.class_attention``); the XCA blocks never see it, as they never see the
+    class token. Training mode returns ``DistilledLogits`` (the class head's and the distillation head's
+    logits, for the task loss and the teacher's), eval mode their mean, as DeiT. Paper 003 distils "as
+    proposed by Touvron et al." without saying how; its authors' code trains the class head on the teacher
+    instead (``distill`` on an ``xcit_*`` model). No ``head=`` override: the heads are DeiT's.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.cls_attn_blocks is None or self.global_pool != "token":
+            raise ValueError("the distillation token is read after the class-attention blocks: "
+                             "keep cls_attn_layers >= 1 and global_pool='token'")
+        self.num_prefix_tokens = 2
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim))
+        trunc_normal_(self.dist_token, std=0.02)  # as Xcit's class token and timm's distilled DeiT's token
+        self.head_dist = nn.Linear(self.embed_dim, self.num_classes) if self.num_classes > 0 else nn.Identity()
+        self._init_weights(self.head_dist)
+        attend_from_prefix_tokens(self.cls_attn_blocks, self.num_prefix_tokens)
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        return {*super().no_weight_decay(), "dist_token"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse=False):
+        return {**super().group_matcher(coarse), "stem": r"^cls_token|dist_token|pos_embed|patch_embed"}
+
+    @torch.jit.ignore
+    def get_classifier(self) -> tuple[nn.Module, nn.Module]:
+        return self.head, self.head_dist
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if global_pool not in (None, "token"):
+            raise ValueError(f"global_pool={global_pool!r}: the distilled XCiT reads its two tokens ('token')")
+        super().reset_classifier(num_classes)
+        self.head_dist = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist.train(self.training)
+
+    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
+        # timm's forward_cls prepends the class token and runs the blocks: [cls, dist, patches]
+        return super().forward_cls(torch.cat((self.dist_token.expand(x.shape[0], -1, -1), x), dim=1))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
+        x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+        if pre_logits:
+            return (x + x_dist) / 2
+        logits = DistilledLogits(self.head(x), self.head_dist(x_dist))
+        return logits if self.training else (logits.cls + logits.dist) / 2
+
+
 def _create_xcit(variant: str, pretrained: bool, **kwargs) -> XCiT:
     # timm's data config (and, for the unmodified model, weights) of the same architecture at 224 px.
     return build_on_timm_architecture(
         XCiT, variant, pretrained, f"{variant}_224.fb_in1k", checkpoint_filter_fn, **kwargs)
+
+
+def _create_distilled_xcit(variant: str, architecture: str, pretrained: bool, **kwargs) -> DistilledXCiT:
+    if pretrained:
+        raise ValueError(f"pretrained=True: there are no weights with a distillation token for {variant} (timm's "
+                         f"distilled XCiT weights are for {architecture}, without one)")
+    if kwargs.get("pretrained_cfg") is None:  # the data config of timm's distilled weights, without the weights
+        kwargs["pretrained_cfg"] = dataclasses.replace(get_pretrained_cfg(f"{architecture}_224.fb_dist_in1k"),
+                                                       url="", hf_hub_id=None, architecture=variant, tag=None,
+                                                       classifier=("head", "head_dist"))
+    return build_on_timm_architecture(
+        DistilledXCiT, variant, pretrained, f"{architecture}_224.fb_dist_in1k", checkpoint_filter_fn, **kwargs)
 
 
 # Paper 003 Table 1: depth, d, #heads. LayerScale init eta and class-attention token norm as in the
@@ -120,3 +196,53 @@ def xcit_medium_24_p8(pretrained: bool = False, **kwargs) -> XCiT:
 @register_variant(_facts("XCiT-L24 @384/8", 189e6, 417.9, 86.0, img_size=384))
 def xcit_large_24_p8(pretrained: bool = False, **kwargs) -> XCiT:
     return _create_xcit("xcit_large_24_p8", pretrained, **{**_LARGE_24, "patch_size": 8, **kwargs})
+
+
+# Table 1's @224/16⌥ column: distilled from a convolutional teacher. Its #params column counts each
+# architecture once, so the count is the undistilled row's (the authors' models have no token); GFLOPs: the
+# token adds one query per class-attention block and a head.
+def _distilled_facts(size: str, gflops: float, top1: float) -> PaperFacts:
+    return PaperFacts(paper="003", family="xcit", gflops=gflops, top1=top1, row=f"XCiT-{size} @224/16 distilled",
+                      distillation_token=True)
+
+
+@register_variant(_distilled_facts("N12", 0.5, 72.2))
+def xcit_nano_12_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_nano_12_distilled_p16", "xcit_nano_12_p16", pretrained,
+                                  **{**_NANO_12, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("T12", 1.2, 78.6))
+def xcit_tiny_12_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_tiny_12_distilled_p16", "xcit_tiny_12_p16", pretrained,
+                                  **{**_TINY_12, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("T24", 2.3, 80.4))
+def xcit_tiny_24_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_tiny_24_distilled_p16", "xcit_tiny_24_p16", pretrained,
+                                  **{**_TINY_24, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("S12", 4.8, 83.3))
+def xcit_small_12_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_small_12_distilled_p16", "xcit_small_12_p16", pretrained,
+                                  **{**_SMALL_12, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("S24", 9.1, 83.9))
+def xcit_small_24_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_small_24_distilled_p16", "xcit_small_24_p16", pretrained,
+                                  **{**_SMALL_24, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("M24", 16.2, 84.3))
+def xcit_medium_24_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_medium_24_distilled_p16", "xcit_medium_24_p16", pretrained,
+                                  **{**_MEDIUM_24, "patch_size": 16, **kwargs})
+
+
+@register_variant(_distilled_facts("L24", 36.1, 84.9))
+def xcit_large_24_distilled_p16(pretrained: bool = False, **kwargs) -> DistilledXCiT:
+    return _create_distilled_xcit("xcit_large_24_distilled_p16", "xcit_large_24_p16", pretrained,
+                                  **{**_LARGE_24, "patch_size": 16, **kwargs})

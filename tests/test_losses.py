@@ -134,9 +134,15 @@ def test_the_configured_soft_distillation_mixes_in_the_teachers_softened_distrib
     assert soft > 1e-4 and loss.item() == pytest.approx(expected, rel=1e-5)
 
 
-def _distilled_student_config(checkpoint, *overrides: str):
-    """DeiT-Ti with the distillation token, one block at 16 px, distilled from the fixture's teacher."""
-    return _config("model.name=deit_tiny_distilled_p16", "model.args={patch_size: 4, depth: 1}",
+# The students with DeiT's distillation token, one block at 16 px: DeiT-Ti, and XCiT-N12 (its token in class attention).
+DISTILLED_STUDENTS = {"deit": ("deit_tiny_distilled_p16", "{patch_size: 4, depth: 1}"),
+                      "xcit": ("xcit_nano_12_distilled_p16", "{patch_size: 8, depth: 1}")}
+
+
+def _distilled_student_config(checkpoint, *overrides: str, student: str = "deit"):
+    """A student with the distillation token, distilled from the fixture's teacher."""
+    name, args = DISTILLED_STUDENTS[student]
+    return _config(f"model.name={name}", f"model.args={args}",
                    "distill.teacher=xcit_nano_12_p8", f"distill.teacher_checkpoint={checkpoint}",
                    'distill.teacher_args={"img_size": 16, "depth": 1}', *overrides)
 
@@ -155,11 +161,12 @@ def test_a_distillation_token_learns_the_teacher_while_the_class_head_learns_the
     torch.testing.assert_close(loss, by_hand)
 
 
-def test_the_distillation_token_and_its_head_train(teacher):
+@pytest.mark.parametrize("student", DISTILLED_STUDENTS)
+def test_the_distillation_token_and_its_head_train(teacher, student):
     from pipeline.components.modeling import build_model
 
     _, checkpoint = teacher
-    cfg = _distilled_student_config(checkpoint)
+    cfg = _distilled_student_config(checkpoint, student=student)
     torch.manual_seed(0)
     student = build_model(cfg.model, 10).train()
     loss_of = _training_loss(cfg)

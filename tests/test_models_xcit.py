@@ -130,3 +130,106 @@ def test_fsne_codes_are_per_block_when_not_shared():
 def test_fsne_8_star_uses_paper_000_table_1_hidden_width():
     model = build_on_meta("xcit_nano_12_p16", qkv="fsne", code_size=8, match_baseline_params=True)
     assert all(isinstance(b.attn.qkv, FullySharedNonLinearQKV) and b.attn.qkv.hidden_dim == 186 for b in model.blocks)
+
+# XCiT with DeiT's distillation token (paper 003 Table 1's distilled column): (variant, its undistilled twin, d).
+DISTILLED = {"N12": ("xcit_nano_12_distilled_p16", "xcit_nano_12_p16", 128),
+             "T12": ("xcit_tiny_12_distilled_p16", "xcit_tiny_12_p16", 192),
+             "T24": ("xcit_tiny_24_distilled_p16", "xcit_tiny_24_p16", 192),
+             "S12": ("xcit_small_12_distilled_p16", "xcit_small_12_p16", 384),
+             "S24": ("xcit_small_24_distilled_p16", "xcit_small_24_p16", 384),
+             "M24": ("xcit_medium_24_distilled_p16", "xcit_medium_24_p16", 512),
+             "L24": ("xcit_large_24_distilled_p16", "xcit_large_24_p16", 768)}
+
+
+@pytest.mark.parametrize(("name", "base", "dim"), DISTILLED.values(), ids=DISTILLED.keys())
+def test_the_distillation_token_adds_a_token_and_a_head_and_nothing_else(name, base, dim):
+    # DeiT §4: one d-wide token and one d x 1000 + 1000 head; the class-attention blocks serve both tokens
+    assert count_params(build_on_meta(name)) - count_params(build_on_meta(base)) == dim + dim * 1000 + 1000
+
+
+def _class_attention_block(tokens_norm: bool):
+    from timm.models.xcit import ClassAttentionBlock
+
+    torch.manual_seed(0)
+    block = ClassAttentionBlock(16, num_heads=2, eta=0.5, tokens_norm=tokens_norm).eval()
+    with torch.no_grad():  # LayerNorm's affine away from identity, so a missed norm shows
+        for norm in (block.norm1, block.norm2):
+            norm.weight.normal_(1.0, 0.3), norm.bias.normal_(0.0, 0.3)
+    return block
+
+
+@pytest.mark.parametrize("tokens_norm", [True, False], ids=["tokens_norm", "class_tokens_norm"])
+def test_two_token_class_attention_is_timms_block_asked_from_each_token(tokens_norm):
+    """Each prefix token's output is what timm's one-token block gives it as the first token of the same set
+    (keys and values are every token; their order does not matter); patch tokens are timm's, whichever first."""
+    import copy
+
+    from models.layers.class_attention import attend_from_prefix_tokens
+
+    timms = _class_attention_block(tokens_norm)
+    ours = copy.deepcopy(timms)
+    attend_from_prefix_tokens([ours], 2)
+    cls, dist, patches = torch.randn(3, 1, 16), torch.randn(3, 1, 16), torch.randn(3, 9, 16)
+    with torch.no_grad():
+        out = ours(torch.cat([cls, dist, patches], dim=1))
+        from_cls = timms(torch.cat([cls, dist, patches], dim=1))
+        from_dist = timms(torch.cat([dist, cls, patches], dim=1))
+    torch.testing.assert_close(out[:, 0], from_cls[:, 0])
+    torch.testing.assert_close(out[:, 1], from_dist[:, 0])
+    torch.testing.assert_close(out[:, 2:], from_cls[:, 2:])
+    for fused in (True, False):  # torch's fused attention and timm's explicit softmax agree
+        ours.attn.fused_attn = fused
+        with torch.no_grad():
+            torch.testing.assert_close(ours(torch.cat([cls, dist, patches], dim=1)), out)
+
+
+def test_one_token_class_attention_is_timms_block():
+    import copy
+
+    from models.layers.class_attention import attend_from_prefix_tokens
+
+    timms = _class_attention_block(tokens_norm=False)
+    ours = copy.deepcopy(timms)
+    attend_from_prefix_tokens([ours], 1)
+    tokens = torch.randn(2, 10, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), timms(tokens))
+
+
+def test_the_distilled_xcit_is_timms_xcit_plus_the_token_and_averages_both_heads_at_inference():
+    from models.layers.heads import DistilledLogits
+
+    small = dict(img_size=32, num_classes=10, depth=2)
+    torch.manual_seed(0)
+    ours = timm.create_model("xcit_nano_12_distilled_p16", **small)
+    reference = timm.create_model("xcit_nano_12_p16_224", pretrained=False, **small)
+    missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
+    assert sorted(missing) == ["dist_token", "head_dist.bias", "head_dist.weight"] and not unexpected
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        tokens = ours.eval().forward_features(images)  # [B, 2 + 4, 128]: the class token, the distillation token
+        assert tokens.shape == (3, 6, 128)
+        # the XCA stage is timm's, and class attention passes the patch tokens through: they are the reference's
+        torch.testing.assert_close(tokens[:, 2:], reference.eval().forward_features(images)[:, 1:])
+        by_hand = (ours.head(tokens[:, 0]) + ours.head_dist(tokens[:, 1])) / 2
+        torch.testing.assert_close(ours(images), by_hand)
+    trained = ours.train()(images)
+    assert isinstance(trained, DistilledLogits)
+    assert trained.cls.shape == trained.dist.shape == (3, 10)
+
+
+def test_the_distillation_token_is_in_the_stem_group_without_weight_decay():
+    from timm.optim import param_groups_layer_decay
+
+    model = build_on_meta("xcit_nano_12_distilled_p16")
+    assert "dist_token" in model.no_weight_decay()
+    groups = param_groups_layer_decay(model, weight_decay=0.05, no_weight_decay_list=model.no_weight_decay())
+    (stem,) = [g for g in groups if g["lr_scale"] == min(g["lr_scale"] for g in groups) and g["weight_decay"] == 0]
+    assert any(p is model.dist_token for p in stem["params"])
+    model.reset_classifier(5)
+    assert model.head.out_features == model.head_dist.out_features == 5
+
+
+def test_a_distilled_xcit_has_no_pretrained_weights_to_load():
+    with pytest.raises(ValueError, match="no weights with a distillation token for xcit_nano_12_distilled_p16"):
+        timm.create_model("xcit_nano_12_distilled_p16", pretrained=True)

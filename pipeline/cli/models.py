@@ -59,13 +59,13 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    header = f"{'name':<26}{'family':<7}{'paper':<6}{'px':>5}{'params(M)':>11}{'GFLOPs':>9}" \
+    header = f"{'name':<30}{'family':<7}{'paper':<6}{'px':>5}{'params(M)':>11}{'GFLOPs':>9}" \
              f"{'paper M':>9}{'paper GF':>9}{'top-1':>7}  FLOPs counted"
     print(header)
     print("-" * len(header))
     for r in rows:
         counted = r["flop_ops"] + (f", {r['flops_per_mac']}/MAC" if r["flops_per_mac"] != 1 else "")
-        print(f"{r['name']:<26}{r['family']:<7}{r['paper']:<6}{r['img_size']:>5}{_fmt(r['params'], 1e6):>11}"
+        print(f"{r['name']:<30}{r['family']:<7}{r['paper']:<6}{r['img_size']:>5}{_fmt(r['params'], 1e6):>11}"
               f"{_fmt(r['gflops']):>9}{_fmt(r['paper_params'], 1e6):>9}{_fmt(r['paper_gflops']):>9}"
               f"{_fmt(r['paper_top1'], digits=1):>7}  {counted}")
     print("\nGFLOPs per image at the variant's paper resolution, counted as its paper counts them: multiply-adds of\n"
