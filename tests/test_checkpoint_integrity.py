@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pipeline.components.checkpointing import (CheckpointMismatchError, CorruptCheckpointError, DEEPSPEED_TAG,
-    MANIFEST_PREFIX, check_run_checkpoints, checkpoint_to_resume, checkpoints_newest_first, latest_intact_checkpoint,
-    load_checkpoint, model_identity, read_meta, save_checkpoint, use_weights_only_loading, verify_checkpoint)
+    MANIFEST_PREFIX, ResumePoint, check_run_checkpoints, checkpoint_to_resume, checkpoints_newest_first,
+    latest_intact_checkpoint, load_checkpoint, model_identity, read_meta, save_checkpoint, use_weights_only_loading,
+    verify_checkpoint, write_manifest)
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
@@ -198,6 +199,21 @@ def test_checkpoints_are_ordered_by_epoch_not_by_when_they_were_written(run_dir)
                                                                  run_dir / "checkpoint_unreadable"}
 
 
+def test_checkpoints_within_an_epoch_sort_after_the_epoch_before_and_before_their_epochs_end(run_dir):
+    """run.checkpoint_every_steps: (epoch 1, 2 steps done) and (epoch 1, 4 steps done) come between epoch 0's
+    end and epoch 1's, in their steps' order, whenever they were written."""
+    newest_end = run_dir / "checkpoint_epoch1"
+    for name, steps in (("checkpoint_epoch1_step4", 4), ("checkpoint_epoch1_step2", 2)):  # step 2 written last
+        shutil.copytree(run_dir / "checkpoint_epoch0", run_dir / name)
+        meta = json.loads((run_dir / name / "vitsweep_checkpoint.json").read_text())
+        (run_dir / name / "vitsweep_checkpoint.json").write_text(json.dumps({**meta, "epoch": 1, "steps_done": steps}))
+        write_manifest(run_dir / name, 0)  # as its rank would have written it
+    assert checkpoints_newest_first(run_dir) == [newest_end, run_dir / "checkpoint_epoch1_step4",
+                                                 run_dir / "checkpoint_epoch1_step2", run_dir / "checkpoint_epoch0"]
+    shutil.rmtree(newest_end)  # the run stopped within epoch 1: the newest mid-epoch checkpoint is resumed
+    assert latest_intact_checkpoint(run_dir) == run_dir / "checkpoint_epoch1_step4"
+
+
 def test_the_newest_intact_checkpoint_is_picked_with_a_warning_naming_the_bad_file(run_dir, caplog):
     states = _model_states(run_dir / "checkpoint_epoch1")
     states.write_bytes(b"")
@@ -221,7 +237,7 @@ def test_a_worker_handed_a_corrupt_checkpoint_resumes_from_the_intact_one_and_lo
     handed_warning = caplog.messages[-1]  # after latest_intact_checkpoint's own, for the same file
     assert handed_warning.startswith(f"checkpoint file {str(states)!r} is {states.stat().st_size} bytes, ")
     assert handed_warning.endswith(f"; resuming from the newest intact checkpoint {chosen} instead")
-    assert load_checkpoint(engine, chosen, identity=identity, rank=0) == 1  # epoch 0 done: start at 1
+    assert load_checkpoint(engine, chosen, identity=identity, rank=0) == ResumePoint(1)  # epoch 0 done: start at 1
 
 
 def test_a_worker_handed_an_intact_checkpoint_keeps_it(run_dir):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.components.checkpointing import (DEEPSPEED_TAG, load_checkpoint, model_identity, save_checkpoint,
-    use_weights_only_loading)
+from pipeline.components.checkpointing import (DEEPSPEED_TAG, ResumePoint, load_checkpoint, model_identity,
+    save_checkpoint, use_weights_only_loading)
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 
@@ -86,9 +86,15 @@ def test_loading_a_checkpoint_restores_model_optimizer_scheduler_ema_and_rng(tra
     assert _differences(at_save, _state(engine, ema)) == list(at_save)  # each part really moved
     assert _draws() != draws_at_save
 
-    assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == 4
+    assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == ResumePoint(epoch=4)
     assert _differences(at_save, _state(engine, ema)) == []
     assert _draws() == draws_at_save
+
+
+def test_a_checkpoint_within_an_epoch_resumes_that_epoch_after_its_steps(trainer, tmp_path):
+    engine, ema, identity = trainer
+    save_checkpoint(engine, tmp_path, epoch=3, identity=identity, rank=0, ema=ema, steps_done=2)
+    assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == ResumePoint(epoch=3, steps_done=2)
 
 
 def test_resuming_an_ema_run_from_a_checkpoint_without_ema_weights_is_refused(trainer, tmp_path):
@@ -155,3 +161,34 @@ def test_resuming_under_zero2_restores_each_ranks_own_rng_state(tmp_path):
     for rank in range(2):
         assert draws[rank]["resumed"] == draws[rank]["uninterrupted"], rank
     assert draws[0]["uninterrupted"] != draws[1]["uninterrupted"]  # each rank has RNGs of its own
+
+
+def test_a_checkpoint_within_an_epoch_is_reported_but_is_neither_an_epoch_nor_a_trials_result(
+        tmp_path, capsys, monkeypatch):
+    """The controller's side (Ray Train's callbacks, as they run there) of run.checkpoint_every_steps's report
+    (rank 0 says it on the console, in its progress lines' order); end to end: test_fault_injection's
+    killed_and_rerun, resumed from one."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipeline.report_keys import EPOCH_STEPS_KEY, MID_EPOCH_KEY
+    from pipeline.sweeps.tune_callback import SweepReportCallback
+    from pipeline.tracking.store import MlflowStore
+    from pipeline.training.cost import RunCost
+    from pipeline.training.epoch_logger import MLflowEpochLogger
+
+    store = MlflowStore(f"sqlite:///{tmp_path}/mlflow.db")
+    run = store.create_run("vitsweep", "mid-epoch")
+    report = {"epoch": 2, MID_EPOCH_KEY: 8, EPOCH_STEPS_KEY: 22, "val_top1": float("nan")}
+    MLflowEpochLogger(run, 4, RunCost.begin(load_config("smoke"), {})).after_report(None, [report], None)
+    assert capsys.readouterr().out == ""
+    assert not store.client.get_run(run.run_id).data.metrics  # nothing logged: no epoch ended
+
+    forwarded = []  # what Tune's own callback would report from inside a trial's Tune session
+    monkeypatch.setattr(TuneReportCallback, "__init__", lambda self: None)
+    monkeypatch.setattr(TuneReportCallback, "after_report", lambda self, context, metrics, checkpoint: forwarded.append(
+        metrics[0]))
+    callback = SweepReportCallback()
+    callback.after_report(None, [report], None)
+    assert forwarded == []
+    callback.after_report(None, [{"epoch": 2, "val_top1": 50.0}], None)  # an epoch's report still reaches Tune
+    assert forwarded == [{"epoch": 2, "val_top1": 50.0, "epochs_done": 2}]

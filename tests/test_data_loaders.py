@@ -111,6 +111,11 @@ def _rank(rank, world_size, port, train_path, val_path, out_dir):
                                      seed=7)
         resumed.next_epoch = 1
         ra_resumed = [int(label) for _, labels in resumed for label in labels]
+        # ... and from a checkpoint taken after epoch 1's first batch, as a worker resumed there reads it
+        resumed.next_epoch = 1
+        resumed.resume_within_epoch(1)
+        ra_resumed_mid_epoch = [[int(label) for label in labels] for _, labels in resumed]
+        ra_next_epoch = [int(label) for _, labels in resumed for label in labels]
         quasi_random_error = None
         try:
             build_train_loader(data.model_copy(update={"order": "quasi_random"}), train_path, 8, 8, "cpu",
@@ -118,7 +123,8 @@ def _rank(rank, world_size, port, train_path, val_path, out_dir):
         except InvalidInputError as err:
             quasi_random_error = str(err)
         record = {"epochs": epochs, "val_real": real, "val_padded": padded, "quasi_random_error": quasi_random_error,
-                  "repeated_epochs": ra_epochs, "repeated_resumed": ra_resumed}
+                  "repeated_epochs": ra_epochs, "repeated_resumed": ra_resumed,
+                  "repeated_resumed_mid_epoch": ra_resumed_mid_epoch, "repeated_after_resumed_epoch": ra_next_epoch}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -160,6 +166,18 @@ def test_repeated_augmentation_shows_each_drawn_image_three_times_across_two_ran
             assert sorted(shard.count(image) for shard in shards) == [1, 2], image
     assert two_ranks[0]["repeated_epochs"][0] != two_ranks[0]["repeated_epochs"][1]  # a new draw each epoch
     assert all(rank["repeated_resumed"] == rank["repeated_epochs"][1] for rank in two_ranks)  # resumed at epoch 1
+
+
+def test_repeated_augmentation_resumed_mid_epoch_reads_the_rest_of_the_epochs_order_on_each_rank(two_ranks):
+    for rank in two_ranks:
+        # 24 images a rank in batches of 8: after the first batch, the other two, as the epoch had them
+        assert rank["repeated_resumed_mid_epoch"] == [rank["repeated_epochs"][1][8:16], rank["repeated_epochs"][1][16:]]
+    # still 3 copies of each drawn image across the ranks: the first batches' and the rest's together
+    whole = [image for rank in two_ranks for image in rank["repeated_epochs"][1][:8] + sum(
+        rank["repeated_resumed_mid_epoch"], [])]
+    assert set(Counter(whole).values()) == {3}
+    # the epoch after a resumed one is whole again
+    assert all(len(rank["repeated_after_resumed_epoch"]) == 24 for rank in two_ranks)
 
 
 def test_quasi_random_order_is_refused_when_distributed(two_ranks):

@@ -3,8 +3,8 @@ reason, the console's last line says what happened, and nothing half-written is 
 The finished run a refused re-run must leave alone is the suite's ZeRO-3 run with --verbose
 (``finished_run``, conftest): its final weights, gathered from both ranks, and its console are checked
 here too. Two killed workers share one run (``killed_and_rerun``): the group restarts from its
-checkpoint after the first (``run.max_failures=1``), the second fails the run with its reason, and the
-same command again continues the same MLflow run. (SIGTERM to a training driver: test_training's linear
+checkpoint within the second epoch after the first (``run.max_failures=1``, ``run.checkpoint_every_steps``),
+the second fails the run with its reason, and the same command again continues the same MLflow run. (SIGTERM to a training driver: test_training's linear
 probe.)"""
 import json
 import re
@@ -25,6 +25,7 @@ from conftest import (RunningVitsweep, assert_scores_the_runs_metrics, refused_i
                       train_command, wait_for)
 from pipeline.components.checkpointing import read_meta
 from pipeline.config.loading import load_config
+from pipeline.errors import InvalidInputError
 from pipeline.components.modeling import build_model
 from pipeline.training.runs import unregistered_checkpoints
 from test_tune_e2e import tune_command
@@ -144,18 +145,28 @@ class KilledAndRerun:
     orphan: Path
     rerun: subprocess.CompletedProcess
 
-    def resumed_at(self) -> list[tuple[int, float]]:
+    def resumed_at(self, metric: str = "resumed_at_epoch") -> list[tuple[int, float]]:
         (run,) = _runs(self.storage)
-        history = MlflowClient(f"sqlite:///{self.storage}/mlflow.db").get_metric_history(run.info.run_id,
-                                                                                       "resumed_at_epoch")
+        history = MlflowClient(f"sqlite:///{self.storage}/mlflow.db").get_metric_history(run.info.run_id, metric)
         return [(m.step, m.value) for m in sorted(history, key=lambda m: m.timestamp)]
+
+
+def _registered_within_epoch(run_dir: Path, epoch: int, steps_done: int) -> bool:
+    """Whether Ray Train's record of its registered checkpoints holds the one taken within ``epoch`` (0-based)."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        metas = [read_meta(run_dir / record["checkpoint_dir_name"]) for record in snapshot["checkpoint_results"]]
+    except (OSError, ValueError, InvalidInputError):  # not written yet, being replaced, or a checkpoint since removed
+        return False
+    return any((meta["epoch"], meta.get("steps_done")) == (epoch, steps_done) for meta in metas)
 
 
 @pytest.fixture(scope="module")
 def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     """One run through the faults that end its workers, then the same command again: a worker SIGKILLed
-    once the first epoch's checkpoint was registered (the group restarts from it, ``run.max_failures=1``),
-    then a worker of the restarted group once its first epoch is checkpointed (no retries left: the run
+    once the second epoch's checkpoint after its 8th of 22 steps was registered (``run.checkpoint_every_steps=8``;
+    the group restarts from it, ``run.max_failures=1``, reading the rest of the epoch's repeated-augmentation
+    order), then a worker of the restarted group once its first epoch is checkpointed (no retries left: the run
     fails); then the newest checkpoint truncated (as a write cut short leaves it) and an unregistered
     checkpoint directory added (as a kill mid-report leaves one), and the same command again. Checkpoints
     are kept by ``run.checkpoint_score=lr``: the two best by the learning rate, which the cosine schedule
@@ -163,11 +174,14 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     worker's failure and a killed driver's re-run apart did: a group's restart is cheaper than a command's.)"""
     storage = tmp_path_factory.mktemp("killed") / "runs"
     args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4", "run.max_failures=1",
-                         "run.checkpoint_every=1", "run.num_to_keep=2", "run.checkpoint_score=lr")
+                         "run.checkpoint_every=1", "run.checkpoint_every_steps=8", "run.num_to_keep=2",
+                         "run.checkpoint_score=lr", "data.repeated_augmentation=3")
     driver = RunningVitsweep(args)
-    # The controller prints this once Ray has registered the checkpoint, so the restart must load it
-    # (a checkpoint directory alone may not be registered yet, and the group would restart afresh).
-    driver.wait_for_line("(checkpoint saved)")
+    driver.wait_for_line("epoch 2/4  step 8/22  checkpoint saved (within the epoch)")  # rank 0's, once saved
+    # ... and registered by Ray, so the restart must load it (a checkpoint directory alone may not be
+    # registered yet, and the group would restart from the epoch before)
+    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=1, steps_done=8), 60,
+             "Ray to register the checkpoint within the second epoch")
     first = wait_for(driver.train_workers, 60, "the training workers")[-1]
     first.kill()
     driver.wait_for_line("(resumed from a checkpoint)")  # the restarted group's first epoch, checkpointed
@@ -202,9 +216,18 @@ def test_a_killed_worker_restarts_its_group_from_the_checkpoint_and_the_run_goes
     # each epoch trained (and logged) once: none repeated after the restart
     epochs = killed_and_rerun.epochs_before
     assert len(epochs) >= 2 and epochs == list(range(1, len(epochs) + 1)), epochs
-    # the restarted group loaded model, ZeRO optimizer shards and scheduler, and went on from there
-    step, epoch = killed_and_rerun.resumed_at()[0]
-    assert step == epoch >= 2  # the first epoch trained again, counted from 1
+    # the restarted group loaded model, ZeRO optimizer shards and scheduler, and went on from there: the
+    # second epoch's 9th step (1,437 images, 3 repeats: 718 a rank, 22 steps of 32)
+    assert killed_and_rerun.resumed_at()[0] == (2, 2)
+    assert killed_and_rerun.resumed_at("resumed_at_step") == [(2, 9)]  # the re-run resumed at an epoch's start
+    assert "epoch 2/4  resuming after step 8 of 22" in killed_and_rerun.first_output
+    # ... with the rest of that epoch: the health windows (every 20 steps and at an epoch's end) fall at the
+    # optimizer's steps 20 and 22 of each epoch, never where a re-read epoch would put them (8 + 20 = 28, ...)
+    (run,) = _runs(killed_and_rerun.storage)
+    history = MlflowClient(f"sqlite:///{killed_and_rerun.storage}/mlflow.db").get_metric_history(
+        run.info.run_id, "health/loss")
+    windows = {22 * epoch + step for epoch in range(4) for step in (20, 22)}
+    assert {m.step for m in history} <= windows and 22 * 4 in {m.step for m in history}
 
 
 def test_a_killed_worker_with_no_retries_left_ends_the_run_failed_with_the_reason(killed_and_rerun):

@@ -2,7 +2,8 @@
 
 A checkpoint directory holds DeepSpeed's files under the tag ``state`` (every rank writes its
 ZeRO shards; Ray Train merges the ranks' directories into one), ``vitsweep_checkpoint.json``
-(which model it belongs to, the epoch, the world size) and, at the end of a run,
+(which model it belongs to, the epoch, the world size, and for one taken within an epoch
+(``run.checkpoint_every_steps``) the optimizer steps of that epoch it holds) and, at the end of a run,
 ``model.safetensors`` (full fp32 weights). Nothing is ever unpickled beyond tensors and plain
 containers.
 
@@ -17,11 +18,13 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import pickle
 import random
 import zipfile
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,25 +135,45 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"]))
 
 
+STEPS_DONE = "steps_done"  # a mid-epoch checkpoint's optimizer steps of its epoch (metadata, client state)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run goes on from a checkpoint: ``epoch`` (0-based), after ``steps_done`` of its optimizer
+    steps (a checkpoint taken within the epoch; 0: the epoch from its start)."""
+
+    epoch: int
+    steps_done: int = 0
+
+
+def resume_point(meta: dict[str, Any]) -> ResumePoint:
+    """A checkpoint's metadata (or client state): one taken at an epoch's end resumes at the next epoch."""
+    epoch = int(meta["epoch"])
+    return ResumePoint(epoch, int(meta[STEPS_DONE])) if STEPS_DONE in meta else ResumePoint(epoch + 1)
+
+
 def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None,
-                    card: dict[str, Any] | None = None) -> None:
+                    card: dict[str, Any] | None = None, steps_done: int | None = None) -> None:
     """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata, with the
     model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs). Each rank
-    writes its RNG state to a file of its own: under ZeRO 0-2 DeepSpeed keeps only rank 0's client state."""
-    client_state = {"epoch": epoch}
+    writes its RNG state to a file of its own: under ZeRO 0-2 DeepSpeed keeps only rank 0's client state.
+    ``steps_done``: a checkpoint within ``epoch``, after that many of its optimizer steps (None: at its end)."""
+    within = {} if steps_done is None else {STEPS_DONE: steps_done}
+    client_state = {"epoch": epoch, **within}
     if ema is not None:
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)
     torch.save(rng_state(), directory / f"{RNG_FILE_PREFIX}{rank}.pt")
     if rank == 0:
-        meta = {"model": identity, "epoch": epoch, "world_size": engine.world_size,
+        meta = {"model": identity, "epoch": epoch, **within, "world_size": engine.world_size,
                 **({"card": card} if card is not None else {})}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2))
     write_manifest(directory, rank)
 
 
-def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> int:
-    """Restore model, optimizer, scheduler, EMA and RNG state; returns the epoch to start from."""
+def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: int, ema=None) -> ResumePoint:
+    """Restore model, optimizer, scheduler, EMA and RNG state; returns where training goes on."""
     check_same_model(read_meta(directory), identity, str(directory))
     if not any((Path(directory) / DEEPSPEED_TAG).glob("*model_states.pt")):  # DeepSpeed's own check: a bare assert
         raise InvalidInputError(f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}")
@@ -164,7 +187,7 @@ def load_checkpoint(engine, directory: Path, *, identity: dict[str, Any], rank: 
         set_rng_state(torch.load(own_rng, weights_only=True))
     elif f"rng_rank{rank}" in client_state:  # a checkpoint written before the per-rank files: rank 0's
         set_rng_state(client_state[f"rng_rank{rank}"])
-    return int(client_state["epoch"]) + 1
+    return resume_point(client_state)
 
 
 EMA_WEIGHTS_FILE = "model_ema.safetensors"
@@ -321,16 +344,17 @@ def _check_torch_archive(path: Path) -> None:
 
 
 def checkpoints_newest_first(run_dir: str | Path, ignore: Collection[Path] = ()) -> list[Path]:
-    """The vitsweep checkpoints in a Ray Train run directory (leaving out ``ignore``), latest epoch
-    first (then latest written)."""
-    def epoch(directory: Path) -> int:
+    """The vitsweep checkpoints in a Ray Train run directory (leaving out ``ignore``), the furthest into
+    training first (an epoch's end after its mid-epoch ones; then latest written)."""
+    def progress(directory: Path) -> tuple[float, float]:
         try:
-            return int(read_meta(directory).get("epoch", -1))
-        except (InvalidInputError, TypeError, ValueError):
-            return -1  # unreadable metadata sorts last; verification names the problem
+            point = resume_point(read_meta(directory))
+        except (InvalidInputError, KeyError, TypeError, ValueError):
+            return -1, -1  # unreadable metadata sorts last; verification names the problem
+        return (point.epoch, point.steps_done) if point.steps_done else (point.epoch - 1, math.inf)
 
     found = [d for d in Path(run_dir).iterdir() if d.is_dir() and (d / META_FILE).exists() and d not in ignore]
-    return sorted(found, key=lambda d: (epoch(d), (d / META_FILE).stat().st_mtime_ns), reverse=True)
+    return sorted(found, key=lambda d: (*progress(d), (d / META_FILE).stat().st_mtime_ns), reverse=True)
 
 
 def latest_intact_checkpoint(run_dir: str | Path, ignore: Collection[Path] = ()) -> Path | None:

@@ -374,6 +374,7 @@ class RunConfig(Section):
     storage_path: str = "./vitsweep-runs"
     seed: int = Field(0, ge=0)
     checkpoint_every: int = Field(1, ge=1)  # epochs between checkpoints
+    checkpoint_every_steps: int | None = Field(None, ge=1)  # also within epochs (a restart resumes mid-epoch)
     num_to_keep: int = Field(2, ge=1)
     checkpoint_score: str = "val_top1"
     max_failures: int = Field(0, ge=-1)  # -1: retry forever

@@ -98,22 +98,32 @@ class DeviceLoader(ThreadCountPreservingLoader):
     an epoch holds a whole multiple of ``batches_per_step`` batches (the optimizer step's micro-batches),
     the samples of an incomplete last step left out as ``drop_last`` leaves out an incomplete batch. So
     an epoch's steps see the same samples at any split of the step into micro-batches, and no step
-    accumulates across two epochs."""
+    accumulates across two epochs. ``resume_within_epoch`` starts the next epoch past its first batches: a
+    run resumed from a mid-epoch checkpoint reads the rest of that epoch's order (a function of the seed
+    and the epoch), as the interrupted run would have."""
 
     def __init__(self, *args, device: torch.device, batches_per_step: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.device, self.batches_per_step = device, batches_per_step
+        self.batches_done = 0  # of the next epoch, read before a mid-epoch checkpoint
 
     def __len__(self) -> int:
         batches = super().__len__()
         return batches - batches % self.batches_per_step
 
+    def resume_within_epoch(self, batches_done: int) -> None:
+        """The next epoch leaves out its first ``batches_done`` batches (whole optimizer steps)."""
+        if batches_done % self.batches_per_step or not 0 <= batches_done < len(self):
+            raise ValueError(f"cannot resume after batch {batches_done} of an epoch of {len(self)} batches in "
+                             f"steps of {self.batches_per_step}")
+        self.batches_done = batches_done
+
     def __iter__(self) -> _DeviceEpochIterator:
         # ffcv 1.0.2's Loader.__iter__, which builds its EpochIterator inline: the same steps.
         with preserved_torch_threads():
             Compiler.set_num_threads(self.num_workers)
-            order = self.next_traversal_order()[: len(self) * self.batch_size]
-            self.next_epoch += 1
+            order = self.next_traversal_order()[self.batches_done * self.batch_size: len(self) * self.batch_size]
+            self.next_epoch, self.batches_done = self.next_epoch + 1, 0
             if self.code is None or self.recompile:
                 self.generate_code()
             return stopped_at_exit(_DeviceEpochIterator(self, order))

@@ -11,11 +11,12 @@ from typing import Any
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline.sweeps.tracking import EPOCHS_DONE
-from pipeline.report_keys import DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_KEY, MID_EPOCH_KEY
 
 
 class SweepReportCallback(TuneReportCallback):
-    """Ray Train -> Tune, adding ``epochs_done``; a divergence report is not a result.
+    """Ray Train -> Tune, adding ``epochs_done``; a divergence report is not a result, nor is a checkpoint's
+    within an epoch (``run.checkpoint_every_steps``: the trial's Ray Train run resumes from it).
 
     The diverged worker reports no metrics (Tune would reject the result); the trial then fails
     through ``fit_and_record`` (MLflow FAILED) and Tune records the error, the sweep goes on.
@@ -23,7 +24,7 @@ class SweepReportCallback(TuneReportCallback):
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         reported = metrics[0]
-        if reported.get(DIVERGED_KEY):
+        if reported.get(DIVERGED_KEY) or MID_EPOCH_KEY in reported:
             return
         super().after_report(run_context, [{**reported, EPOCHS_DONE: int(reported["epoch"])}, *metrics[1:]],
                              checkpoint)

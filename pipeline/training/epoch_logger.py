@@ -1,4 +1,5 @@
-"""The Ray Train callback that turns each epoch's report into one MLflow step and one console line."""
+"""The Ray Train callback that turns each epoch's report into one MLflow step and one console line (a
+checkpoint's report within an epoch: neither; rank 0 says it among its progress lines)."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,7 +8,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from pipeline.console import say, say_epoch_end
-from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY
+from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, MID_EPOCH_KEY
 from pipeline.tracking.store import MlflowRun
 from pipeline.training.cost import TARGET_EPOCH, RunCost
 
@@ -30,6 +31,8 @@ class MLflowEpochLogger(UserCallback):
                 f" ({reported[DIVERGED_CAUSE_KEY]})" if reported.get(DIVERGED_CAUSE_KEY) else "")
             self.run.mark_diverged(where)
             show(f"loss diverged at {where}: stopping")
+            return
+        if MID_EPOCH_KEY in reported:  # run.checkpoint_every_steps: no epoch ended
             return
         cost = self.cost.at_epoch(reported)
         self.run.log_epoch({**reported, **cost})

@@ -1,13 +1,15 @@
 """The Ray Train worker: what every rank runs, read as the recipe (as torchtitan's ``train.py``).
 
 ``Trainer.setup`` builds this rank's state (data shards, the model with the weights it starts from,
-DeepSpeed engine, EMA, loss) and resumes a checkpoint; ``fit`` then evaluates the loaded weights of a
-run that starts from trained ones, and runs, for each epoch, ``train_epoch`` (``train_step`` per
-batch), ``evaluate`` and ``end_epoch`` (one report to Ray Train, with a checkpoint when one is due).
-The details live in the components it calls.
+DeepSpeed engine, EMA, loss) and resumes a checkpoint (at an epoch's start, or within it where the
+checkpoint was taken within it); ``fit`` then evaluates the loaded weights of a run that starts from
+trained ones, and runs, for each epoch, ``train_epoch`` (``train_step`` per batch, a checkpoint every
+``run.checkpoint_every_steps``), ``evaluate`` and ``end_epoch`` (one report to Ray Train, with a
+checkpoint when one is due). The details live in the components it calls.
 """
 from __future__ import annotations
 
+import math
 import tempfile
 import threading
 import time
@@ -20,8 +22,8 @@ import ray.train
 import ray.train.torch
 import torch
 
-from pipeline.components.checkpointing import (checkpoint_to_resume, load_checkpoint, model_identity, save_checkpoint,
-    save_final_weights, use_weights_only_loading)
+from pipeline.components.checkpointing import (ResumePoint, checkpoint_to_resume, load_checkpoint, model_identity,
+    save_checkpoint, save_final_weights, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
 from pipeline.console import duration, say, say_progress
 from pipeline.data.augment import BatchAugment
@@ -40,7 +42,7 @@ from pipeline.components.modeling import build_model, patch_step
 from pipeline.components.optim import build_ema, build_optimizer, build_scheduler
 from pipeline.components.memory_snapshot import write_memory_snapshot
 from pipeline.components.profiling import FIRST_TRACED_STEP, StepProfiler
-from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, INITIAL_PREFIX
+from pipeline.report_keys import DIVERGED_CAUSE_KEY, DIVERGED_KEY, EPOCH_STEPS_KEY, INITIAL_PREFIX, MID_EPOCH_KEY
 from pipeline.tracking.step_metrics import StepMetricsLog
 from pipeline.training.oom import raise_injected_oom
 from pipeline.trained.teacher import load_teacher
@@ -175,8 +177,11 @@ class Trainer:
                                       lambda files: self.step_metrics.log_files(files, PROFILE_ARTIFACTS))
                          if self.rank == 0 and cfg.run.profile_steps else None)
 
-        self.start_epoch = self.resume()
+        self.resumed = self.resume()
+        start = self.resumed or ResumePoint(0)
+        self.start_epoch, self.batches_done = start.epoch, start.steps_done * cfg.optim.grad_accum_steps
         self.train_loader.next_epoch = self.start_epoch  # ffcv's shuffle order is a function of (seed, epoch)
+        self.train_loader.resume_within_epoch(self.batches_done)  # the rest of the epoch a checkpoint was taken in
 
     def build_loaders(self):
         """This node's copy of each dataset (staged once per node), this rank's shard of it."""
@@ -194,18 +199,18 @@ class Trainer:
         )
         return train_loader, val_loader
 
-    def resume(self) -> int:
-        """The epoch to start from: Ray hands the latest checkpoint to a restarted worker group (or a
-        re-run of the run), loaded into the engine and EMA; a corrupt one is skipped for the newest
-        intact one beside it (local storage), never retried. 0 without one."""
+    def resume(self) -> ResumePoint | None:
+        """Where to go on: Ray hands the latest checkpoint to a restarted worker group (or a re-run of the
+        run), loaded into the engine and EMA; a corrupt one is skipped for the newest intact one beside it
+        (local storage), never retried. None: start afresh."""
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
-            return 0
+            return None
         with checkpoint.as_directory() as directory:
             local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
             chosen = checkpoint_to_resume(directory, Path(checkpoint.path).parent if local else None)
             if chosen is None:
-                return 0
+                return None
             return load_checkpoint(self.engine, chosen, identity=self.identity, rank=self.rank, ema=self.ema)
 
     def _monitor_node(self, node_rank: int) -> None:
@@ -243,7 +248,7 @@ class Trainer:
         # A run started from trained weights first evaluates them as loaded, before any step (reported
         # with its first epoch as initial_val_*, MLflow's step 0).
         initial = ({f"{INITIAL_PREFIX}{key}": value for key, value in self.evaluate(with_ema=False).items()}
-                   if self.plan.init_weights is not None and self.start_epoch == 0 else {})
+                   if self.plan.init_weights is not None and self.resumed is None else {})
         if initial and self.rank == 0 and self.plan.announce:
             say(f"epoch 0/{self.cfg.optim.epochs}  the initial weights, before any step:  val_loss "
                 f"{initial['initial_val_loss']:.4f}  val_top1 {initial['initial_val_top1']:.2f}%  "
@@ -290,8 +295,13 @@ class Trainer:
         stats = EpochStats()
         started = time.perf_counter()
         steps = len(self.train_loader)
+        first = self.batches_done if epoch == self.start_epoch else 0  # resumed within this epoch: its rest
+        if first and self.rank == 0 and self.plan.announce:
+            accum = self.cfg.optim.grad_accum_steps
+            say(f"epoch {epoch + 1}/{self.cfg.optim.epochs}  resuming after step {first // accum} of "
+                f"{steps // accum} (a checkpoint within the epoch): the rest of the epoch's order follows")
         self.health.start_window()
-        for step, (images, labels) in enumerate(self.health.timed(self.train_loader)):
+        for step, (images, labels) in enumerate(self.health.timed(self.train_loader), start=first):
             self.train_step(images, labels)
             if self.time_to_first_step is None:
                 self.time_to_first_step = time.time() - self.plan.launched_at
@@ -300,8 +310,32 @@ class Trainer:
             if (step + 1) % self.cfg.run.log_every_steps == 0 or step + 1 == steps:
                 stats.loss_sum += self.log_health(step)
                 self.show_progress(epoch, step + 1, steps, stats, time.perf_counter() - started)
+            if self.checkpoint_due_within_epoch(step + 1, steps):
+                self.checkpoint_within_epoch(epoch, step + 1, steps)
         stats.seconds = time.perf_counter() - started
         return stats
+
+    def checkpoint_due_within_epoch(self, batches_done: int, batches: int) -> bool:
+        """``run.checkpoint_every_steps`` optimizer steps since the last (the epoch's end has its own)."""
+        every = self.cfg.run.checkpoint_every_steps
+        return every is not None and batches_done < batches and batches_done % (
+            every * self.cfg.optim.grad_accum_steps) == 0
+
+    def checkpoint_within_epoch(self, epoch: int, batches_done: int, batches: int) -> None:
+        """A checkpoint after ``batches_done`` batches of ``epoch``, reported to Ray Train without an epoch's
+        metrics: its score is NaN, which Ray ranks below every other, so it is kept only while it is the latest.
+        Rank 0 says so among its progress lines, in their order (the controller would say it later)."""
+        accum = self.cfg.optim.grad_accum_steps
+        steps_done, steps = batches_done // accum, batches // accum
+        with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
+            save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
+                            ema=self.ema, card=self.plan.model_card, steps_done=steps_done)
+            ray.train.report({"epoch": epoch + 1, MID_EPOCH_KEY: steps_done, EPOCH_STEPS_KEY: steps,
+                              self.cfg.run.checkpoint_score: math.nan},
+                             checkpoint=ray.train.Checkpoint.from_directory(directory))
+        if self.rank == 0 and self.plan.announce:
+            say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {steps_done}/{steps}  "
+                                    "checkpoint saved (within the epoch)")
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward, backward, optimizer step (at accumulation boundaries), EMA; the step's loss and
@@ -368,7 +402,7 @@ class Trainer:
     def show_progress(self, epoch: int, done: int, steps: int, stats: EpochStats, seconds: float) -> None:
         if self.rank != 0 or not self.plan.announce:
             return
-        eta = seconds / done * (steps - done)
+        eta = seconds / max(stats.steps, 1) * (steps - done)  # stats.steps: this epoch's batches since (re)start
         say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {done}/{steps}  "
                                 f"loss {stats.mean_loss:.4f}  {stats.samples / max(seconds, 1e-9):.0f} img/s  "
                                 f"eta {duration(eta)}")
@@ -383,10 +417,12 @@ class Trainer:
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         """Report the epoch to Ray Train, with a checkpoint every ``run.checkpoint_every`` epochs and at the end."""
-        if epoch == self.start_epoch == 0:
+        if epoch == self.start_epoch and self.resumed is None:
             metrics["time_to_first_step_s"] = self.time_to_first_step
         elif epoch == self.start_epoch:  # a restart: MLflow shows where the run picked up its checkpoint
             metrics["resumed_at_epoch"] = epoch + 1
+            if self.resumed.steps_done:  # within the epoch: its first step trained again, counted from 1
+                metrics["resumed_at_step"] = self.resumed.steps_done + 1
         last = epoch == self.cfg.optim.epochs - 1
         if (epoch + 1) % self.cfg.run.checkpoint_every and not last:
             ray.train.report(metrics)
