@@ -164,7 +164,7 @@ def _registered_within_epoch(run_dir: Path, epoch: int, steps_done: int) -> bool
 @pytest.fixture(scope="module")
 def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     """One run through the faults that end its workers, then the same command again: a worker SIGKILLed
-    once the second epoch's checkpoint after its 8th of 22 steps was registered (``run.checkpoint_every_steps=8``;
+    once the second epoch's checkpoint after its 12th of 22 steps was registered (``run.checkpoint_every_steps=12``;
     the group restarts from it, ``run.max_failures=1``, reading the rest of the epoch's repeated-augmentation
     order), then a worker of the restarted group once its first epoch is checkpointed (no retries left: the run
     fails); then the newest checkpoint truncated (as a write cut short leaves it) and an unregistered
@@ -174,13 +174,13 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     worker's failure and a killed driver's re-run apart did: a group's restart is cheaper than a command's.)"""
     storage = tmp_path_factory.mktemp("killed") / "runs"
     args = train_command(storage, digits16, "run.name=resumed", "optim.epochs=4", "run.max_failures=1",
-                         "run.checkpoint_every=1", "run.checkpoint_every_steps=8", "run.num_to_keep=2",
+                         "run.checkpoint_every=1", "run.checkpoint_every_steps=12", "run.num_to_keep=2",
                          "run.checkpoint_score=lr", "data.repeated_augmentation=3")
     driver = RunningVitsweep(args)
-    driver.wait_for_line("epoch 2/4  step 8/22  checkpoint saved (within the epoch)")  # rank 0's, once saved
+    driver.wait_for_line("epoch 2/4  step 12/22  checkpoint saved (within the epoch)")  # rank 0's, once saved
     # ... and registered by Ray, so the restart must load it (a checkpoint directory alone may not be
     # registered yet, and the group would restart from the epoch before)
-    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=1, steps_done=8), 60,
+    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=1, steps_done=12), 60,
              "Ray to register the checkpoint within the second epoch")
     first = wait_for(driver.train_workers, 60, "the training workers")[-1]
     first.kill()
@@ -217,12 +217,12 @@ def test_a_killed_worker_restarts_its_group_from_the_checkpoint_and_the_run_goes
     epochs = killed_and_rerun.epochs_before
     assert len(epochs) >= 2 and epochs == list(range(1, len(epochs) + 1)), epochs
     # the restarted group loaded model, ZeRO optimizer shards and scheduler, and went on from there: the
-    # second epoch's 9th step (1,437 images, 3 repeats: 718 a rank, 22 steps of 32)
+    # second epoch's 13th step (1,437 images, 3 repeats: 718 a rank, 22 steps of 32)
     assert killed_and_rerun.resumed_at()[0] == (2, 2)
-    assert killed_and_rerun.resumed_at("resumed_at_step") == [(2, 9)]  # the re-run resumed at an epoch's start
-    assert "epoch 2/4  resuming after step 8 of 22" in killed_and_rerun.first_output
+    assert killed_and_rerun.resumed_at("resumed_at_step") == [(2, 13)]  # the re-run resumed at an epoch's start
+    assert "epoch 2/4  resuming after step 12 of 22" in killed_and_rerun.first_output
     # ... with the rest of that epoch: the health windows (every 20 steps and at an epoch's end) fall at the
-    # optimizer's steps 20 and 22 of each epoch, never where a re-read epoch would put them (8 + 20 = 28, ...)
+    # optimizer's steps 20 and 22 of each epoch, never where a re-read epoch would put them (34 + 20, ...)
     (run,) = _runs(killed_and_rerun.storage)
     history = MlflowClient(f"sqlite:///{killed_and_rerun.storage}/mlflow.db").get_metric_history(
         run.info.run_id, "health/loss")
