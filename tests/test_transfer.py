@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
@@ -278,6 +279,17 @@ def test_a_frozen_backbone_receives_no_update_and_keeps_its_batchnorm_statistics
     for name, tensor in backbone.items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
     assert not torch.equal(engine.module.head.weight.detach(), head)
+
+
+@pytest.mark.parametrize("name, args", [("deit_tiny_distilled_p16", {"patch_size": 4}),
+                                        ("xcit_nano_12_distilled_p16", {"patch_size": 8})], ids=["deit", "xcit"])
+def test_a_linear_probe_of_a_model_with_the_distillation_token_trains_both_heads_and_nothing_else(name, args):
+    model = timm.create_model(name, img_size=16, depth=1, num_classes=4, **args)
+    freeze_backbone(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"head.weight", "head.bias", "head_dist.weight", "head_dist.bias"}
+    train_head_only(model)
+    assert model.head.training and model.head_dist.training and not model.blocks.training
 
 
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])

@@ -254,19 +254,26 @@ def load_initial_weights(model: nn.Module, weights: dict[str, torch.Tensor], pla
                            f"for: missing {sorted(set(missing) - set(plan.fresh))}, unexpected {unexpected}")
 
 
+def classifier_heads(model: nn.Module) -> list[nn.Module]:
+    """The model's classifier heads (timm's ``get_classifier()``): one, or two with DeiT's distillation token."""
+    heads = model.get_classifier()
+    return list(heads) if isinstance(heads, tuple) else [heads]
+
+
 def freeze_backbone(model: nn.Module) -> None:
-    """A linear probe: every parameter but the classifier head's (``get_classifier()``) stops training."""
-    head = {id(parameter) for parameter in model.get_classifier().parameters()}
+    """A linear probe: every parameter but the classifier heads' stops training."""
+    head = {id(parameter) for module in classifier_heads(model) for parameter in module.parameters()}
     for parameter in model.parameters():
         if id(parameter) not in head:
             parameter.requires_grad_(False)
 
 
 def train_head_only(model: nn.Module) -> None:
-    """Training mode for the head alone: the frozen backbone is a fixed feature extractor (no dropout,
+    """Training mode for the heads alone: the frozen backbone is a fixed feature extractor (no dropout,
     no drop-path, BatchNorm on its running statistics, which then stay as loaded)."""
     model.eval()
-    model.get_classifier().train()
+    for head in classifier_heads(model):
+        head.train()
 
 
 # -- saved sources ----------------------------------------------------------------------------------------
