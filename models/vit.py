@@ -26,7 +26,7 @@ from models._registry import (
     register_variant,
 )
 from models.layers.qkv import QKVOverrideMixin
-from models.layers.heads import DistilledLogits, TokenHeadMixin
+from models.layers.heads import DistillationHeadsMixin, TokenHeadMixin
 
 __all__ = ["DistilledViT", "ViT"]
 
@@ -41,21 +41,18 @@ class ViT(TokenHeadMixin, QKVOverrideMixin, VisionTransformer):
     """
 
 
-class DistilledViT(QKVOverrideMixin, VisionTransformerDistilled):
+class DistilledViT(DistillationHeadsMixin, QKVOverrideMixin, VisionTransformerDistilled):
     """timm's VisionTransformerDistilled (DeiT's distillation token and head) with a choice of Q/K/V embedding.
 
-    It always trains with its token: in training mode it returns ``DistilledLogits`` (the class head's and
-    the distillation head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT.
-    With ``qkv="linear"`` it is timm's model, weight for weight. No ``head=`` override: the heads are DeiT's.
+    It always trains with its token: while its heads train it returns ``DistilledLogits`` (the class head's and
+    the distillation head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT
+    (``models.layers.heads.DistillationHeadsMixin``). With ``qkv="linear"`` it is timm's model, weight for
+    weight. No ``head=`` override: the heads are DeiT's.
     """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.set_distilled_training(True)
-
-    def forward_head(self, x, pre_logits: bool = False):
-        logits = super().forward_head(x, pre_logits=pre_logits)
-        return DistilledLogits(*logits) if isinstance(logits, tuple) else logits
 
 
 def _create_vit(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT,

@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from timm.layers import trunc_normal_
+from timm.layers import get_device_dtype, trunc_normal_
 from timm.models import get_pretrained_cfg
 from timm.models.xcit import Xcit, checkpoint_filter_fn
 from torch import nn
 
 from models._registry import PaperFacts, build_on_timm_architecture, register_variant
 from models.layers.class_attention import attend_from_prefix_tokens
-from models.layers.heads import DistilledLogits, TokenHeadMixin
+from models.layers.heads import DistillationHeadsMixin, TokenHeadMixin
 from models.layers.qkv import QKVOverrideMixin
 
 __all__ = ["DistilledXCiT", "XCiT"]
@@ -38,13 +38,14 @@ class XCiT(TokenHeadMixin, QKVOverrideMixin, Xcit):
     """
 
 
-class DistilledXCiT(QKVOverrideMixin, Xcit):
+class DistilledXCiT(DistillationHeadsMixin, QKVOverrideMixin, Xcit):
     """timm's Xcit with DeiT's distillation token and head (DeiT §4), and a choice of Q/K/V embedding.
 
     The token joins the class token where XCiT's class token enters, before the class-attention blocks, which
     then update both (``models.layers.class_attention``); the XCA blocks never see it, as they never see the
-    class token. Training mode returns ``DistilledLogits`` (the class head's and the distillation head's
-    logits, for the task loss and the teacher's), eval mode their mean, as DeiT. Paper 003 distils "as
+    class token. While its heads train it returns ``DistilledLogits`` (the class head's and the distillation
+    head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT
+    (``models.layers.heads.DistillationHeadsMixin``). ``features_only`` drops the token with the class token. Paper 003 distils "as
     proposed by Touvron et al." without saying how; its authors' code trains the class head on the teacher
     instead (``distill`` on an ``xcit_*`` model). No ``head=`` override: the heads are DeiT's.
     """
@@ -57,9 +58,13 @@ class DistilledXCiT(QKVOverrideMixin, Xcit):
         self.num_prefix_tokens = 2
         self.dist_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim))
         trunc_normal_(self.dist_token, std=0.02)  # as Xcit's class token and timm's distilled DeiT's token
-        self.head_dist = nn.Linear(self.embed_dim, self.num_classes) if self.num_classes > 0 else nn.Identity()
+        self.head_dist = self._distillation_head(self.num_classes)
         self._init_weights(self.head_dist)
         attend_from_prefix_tokens(self.cls_attn_blocks, self.num_prefix_tokens)
+
+    def _distillation_head(self, num_classes: int) -> nn.Module:
+        return (nn.Linear(self.embed_dim, num_classes, **get_device_dtype(self)) if num_classes > 0
+                else nn.Identity())
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -74,22 +79,21 @@ class DistilledXCiT(QKVOverrideMixin, Xcit):
         return self.head, self.head_dist
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool not in (None, "token"):
+        features_only = global_pool == "" and num_classes == 0  # timm's prune_intermediate_layers
+        if global_pool not in (None, "token") and not features_only:
             raise ValueError(f"global_pool={global_pool!r}: the distilled XCiT reads its two tokens ('token')")
-        super().reset_classifier(num_classes)
-        self.head_dist = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        super().reset_classifier(num_classes, "" if features_only else None)
+        self.head_dist = self._distillation_head(num_classes)
         self.head_dist.train(self.training)
+
+    def prune_intermediate_layers(self, indices=1, prune_norm: bool = False, prune_head: bool = True):
+        if prune_head:  # the distillation token goes with the class token and the class-attention blocks
+            self.dist_token = None
+        return super().prune_intermediate_layers(indices, prune_norm, prune_head)
 
     def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
         # timm's forward_cls prepends the class token and runs the blocks: [cls, dist, patches]
         return super().forward_cls(torch.cat((self.dist_token.expand(x.shape[0], -1, -1), x), dim=1))
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False):
-        x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
-        if pre_logits:
-            return (x + x_dist) / 2
-        logits = DistilledLogits(self.head(x), self.head_dist(x_dist))
-        return logits if self.training else (logits.cls + logits.dist) / 2
 
 
 def _create_xcit(variant: str, pretrained: bool, **kwargs) -> XCiT:

@@ -5,6 +5,7 @@ import os
 import random
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,6 +96,49 @@ def test_a_checkpoint_within_an_epoch_resumes_that_epoch_after_its_steps(trainer
     engine, ema, identity = trainer
     save_checkpoint(engine, tmp_path, epoch=3, identity=identity, rank=0, ema=ema, steps_done=2)
     assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == ResumePoint(epoch=3, steps_done=2)
+    # within the first epoch of a run from trained weights: their metrics, measured before it and not yet reported
+    initial = {"initial_val_top1": 41.5, "initial_val_loss": 1.25}
+    save_checkpoint(engine, tmp_path, epoch=0, identity=identity, rank=0, ema=ema, steps_done=2,
+                    initial_metrics=initial)
+    assert load_checkpoint(engine, tmp_path, identity=identity, rank=0, ema=ema) == ResumePoint(0, 2, initial)
+
+
+@pytest.mark.parametrize("score", ["val_top1", "val_loss"])
+def test_a_checkpoint_within_an_epoch_ranks_below_the_scored_ones_also_after_ray_reads_its_record_back(
+        tmp_path, score):
+    """Ray Train's own checkpoint manager (as its controller runs it): the within-epoch checkpoint's score
+    (``unranked_score``) ranks it last; a re-run reads Ray's record back and goes on registering (a NaN score
+    would be written as null there, and the next registration would fail on it)."""
+    import asyncio
+
+    from ray.train import Checkpoint, CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from pipeline.components.checkpointing import checkpoint_score_order, unranked_score
+
+    def checkpoint(name: str) -> Checkpoint:
+        directory = tmp_path / "run" / name
+        directory.mkdir(parents=True)
+        (directory / "state").write_text(name)
+        return Checkpoint(str(directory))
+
+    better, worse = (10.0, 50.0) if score.endswith("loss") else (50.0, 10.0)
+    config = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=score,
+                              checkpoint_score_order=checkpoint_score_order(score))
+
+    async def rerun_after_a_checkpoint_within_an_epoch() -> list[str]:
+        first = CheckpointManager(config, StorageContext(str(tmp_path), "run"))
+        for name, value in (("epoch1", worse), ("epoch2", better), ("epoch3_step5", unranked_score(score))):
+            first.register_checkpoint(_TrainingReport(checkpoint(name), {score: value}, None))
+        again = CheckpointManager(config, StorageContext(str(tmp_path), "run"))  # the re-run's controller
+        again.register_checkpoint(_TrainingReport(checkpoint("epoch3"), {score: worse}, None))
+        return [Path(result.checkpoint.path).name for result in again._checkpoint_results]
+
+    ranked = asyncio.run(rerun_after_a_checkpoint_within_an_epoch())
+    assert ranked[-1] == "epoch2" and "epoch3_step5" not in ranked  # the best kept; the unranked one gave way
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_dir()) == sorted(ranked)
 
 
 def test_resuming_an_ema_run_from_a_checkpoint_without_ema_weights_is_refused(trainer, tmp_path):

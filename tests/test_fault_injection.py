@@ -166,8 +166,9 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
     """One run through the faults that end its workers, then the same command again: a worker SIGKILLed
     once the second epoch's checkpoint after its 12th of 22 steps was registered (``run.checkpoint_every_steps=12``;
     the group restarts from it, ``run.max_failures=1``, reading the rest of the epoch's repeated-augmentation
-    order), then a worker of the restarted group once its first epoch is checkpointed (no retries left: the run
-    fails); then the newest checkpoint truncated (as a write cut short leaves it) and an unregistered
+    order), then a worker of the restarted group once the third epoch's such checkpoint is registered (no
+    retries left: the run fails; the re-run reads Ray's record of a checkpoint without an epoch's score);
+    then the newest checkpoint truncated (as a write cut short leaves it) and an unregistered
     checkpoint directory added (as a kill mid-report leaves one), and the same command again. Checkpoints
     are kept by ``run.checkpoint_score=lr``: the two best by the learning rate, which the cosine schedule
     lowers every epoch (the oldest), and the latest. (Whole, this costs the suite one run less than a lost
@@ -184,7 +185,11 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
              "Ray to register the checkpoint within the second epoch")
     first = wait_for(driver.train_workers, 60, "the training workers")[-1]
     first.kill()
-    driver.wait_for_line("(resumed from a checkpoint)")  # the restarted group's first epoch, checkpointed
+    # the restarted group's epoch 2, then epoch 3's checkpoint within it: the newest Ray registered when the run
+    # fails, and the one the re-run finds first in Ray's record of them
+    driver.wait_for_line("epoch 3/4  step 12/22  checkpoint saved (within the epoch)")
+    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=2, steps_done=12), 60,
+             "Ray to register the checkpoint within the third epoch")
     second = wait_for(driver.train_workers, 60, "the restarted group's workers")[-1]
     second.kill()
     assert driver.finish(timeout=300) == 1, driver.output[-3000:]

@@ -230,6 +230,18 @@ def test_the_distillation_token_is_in_the_stem_group_without_weight_decay():
     assert model.head.out_features == model.head_dist.out_features == 5
 
 
+def test_a_distilled_xcits_features_are_its_xcits_without_either_token():
+    # features_only prunes the class-attention stage (timm's prune_intermediate_layers): both tokens go with it
+    plain = timm.create_model("xcit_nano_12_p16", features_only=True, img_size=32, depth=4)
+    distilled = timm.create_model("xcit_nano_12_distilled_p16", features_only=True, img_size=32, depth=4)
+    assert count_params(distilled) == count_params(plain)
+    distilled.load_state_dict(plain.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        for ours, reference in zip(distilled.eval()(images), plain.eval()(images), strict=True):
+            torch.testing.assert_close(ours, reference)
+
+
 def test_a_distilled_xcit_has_no_pretrained_weights_to_load():
     with pytest.raises(ValueError, match="no weights with a distillation token for xcit_nano_12_distilled_p16"):
         timm.create_model("xcit_nano_12_distilled_p16", pretrained=True)

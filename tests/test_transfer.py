@@ -290,6 +290,10 @@ def test_a_linear_probe_of_a_model_with_the_distillation_token_trains_both_heads
     assert trainable == {"head.weight", "head.bias", "head_dist.weight", "head_dist.bias"}
     train_head_only(model)
     assert model.head.training and model.head_dist.training and not model.blocks.training
+    # the heads train as they do in a whole model's training: the distillation head's logits apart, for the teacher
+    from models.layers.heads import DistilledLogits
+
+    assert isinstance(model(torch.randn(2, 3, 16, 16)), DistilledLogits)
 
 
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])

@@ -420,3 +420,16 @@ class DistilledLogits(NamedTuple):
 
     cls: torch.Tensor
     dist: torch.Tensor
+
+
+class DistillationHeadsMixin:
+    """DeiT's two heads (``head``, ``head_dist``) over the class token (first) and the distillation token
+    (second), for a timm model with both: ``DistilledLogits`` while the heads train, their mean otherwise.
+    The heads' mode decides, not the model's: a linear probe trains them under a backbone in eval mode."""
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor | DistilledLogits:
+        x_cls, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+        if pre_logits:
+            return (x_cls + x_dist) / 2
+        logits = DistilledLogits(self.head(x_cls), self.head_dist(x_dist))
+        return logits if self.head.training else (logits.cls + logits.dist) / 2

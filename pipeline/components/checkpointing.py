@@ -22,9 +22,10 @@ import math
 import os
 import pickle
 import random
+import sys
 import zipfile
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,31 +137,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 STEPS_DONE = "steps_done"  # a mid-epoch checkpoint's optimizer steps of its epoch (metadata, client state)
+INITIAL_METRICS = "initial_metrics"  # ... and in epoch 0, the initial weights' metrics, not yet reported
+
+
+def checkpoint_score_order(score: str) -> str:
+    """Ray's order for ``run.checkpoint_score``: a loss is better lower, any other metric higher."""
+    return "min" if score.endswith("loss") else "max"
+
+
+def unranked_score(score: str) -> float:
+    """The score a checkpoint within an epoch reports (it has no epoch's metrics): the worst finite one in the
+    score's order, so Ray ranks it below every scored checkpoint. Not NaN: Ray's record of its checkpoints
+    writes NaN as null, which it cannot rank once a re-run reads the record back."""
+    return -sys.float_info.max if checkpoint_score_order(score) == "max" else sys.float_info.max
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a run goes on from a checkpoint: ``epoch`` (0-based), after ``steps_done`` of its optimizer
-    steps (a checkpoint taken within the epoch; 0: the epoch from its start)."""
+    steps (a checkpoint taken within the epoch; 0: the epoch from its start); ``initial_metrics``: what the
+    run measured of its initial weights, saved within epoch 0 for that epoch's report."""
 
     epoch: int
     steps_done: int = 0
+    initial_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def resume_point(meta: dict[str, Any]) -> ResumePoint:
     """A checkpoint's metadata (or client state): one taken at an epoch's end resumes at the next epoch."""
     epoch = int(meta["epoch"])
-    return ResumePoint(epoch, int(meta[STEPS_DONE])) if STEPS_DONE in meta else ResumePoint(epoch + 1)
+    if STEPS_DONE not in meta:
+        return ResumePoint(epoch + 1)
+    return ResumePoint(epoch, int(meta[STEPS_DONE]), dict(meta.get(INITIAL_METRICS, {})))
 
 
 def save_checkpoint(engine, directory: Path, *, epoch: int, identity: dict[str, Any], rank: int, ema=None,
-                    card: dict[str, Any] | None = None, steps_done: int | None = None) -> None:
+                    card: dict[str, Any] | None = None, steps_done: int | None = None,
+                    initial_metrics: dict[str, float] | None = None) -> None:
     """Every rank calls this (ZeRO shards are per rank); rank 0 also writes the metadata, with the
     model's ``card`` (``ModelCard.as_dict()``: what a model source started from it needs). Each rank
     writes its RNG state to a file of its own: under ZeRO 0-2 DeepSpeed keeps only rank 0's client state.
-    ``steps_done``: a checkpoint within ``epoch``, after that many of its optimizer steps (None: at its end)."""
+    ``steps_done``: a checkpoint within ``epoch``, after that many of its optimizer steps (None: at its end),
+    with ``initial_metrics`` not yet reported (a run from trained weights, within its first epoch)."""
     within = {} if steps_done is None else {STEPS_DONE: steps_done}
-    client_state = {"epoch": epoch, **within}
+    client_state = {"epoch": epoch, **within, **({INITIAL_METRICS: initial_metrics} if initial_metrics else {})}
     if ema is not None:
         client_state["ema"] = ema.module.state_dict()
     engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state=client_state)

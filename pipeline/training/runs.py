@@ -40,7 +40,7 @@ import models
 from models.measure import count_gmacs, count_params, params_by_module
 from pipeline import interrupts, uris
 from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
-    checkpoints_newest_first, model_identity, read_meta)
+    checkpoint_score_order, checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config.schema import ExperimentConfig, ModelConfig
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
@@ -405,7 +405,7 @@ def build_trainer(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float, co
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.run.num_to_keep,
                 checkpoint_score_attribute=score,
-                checkpoint_score_order="min" if score.endswith("loss") else "max",
+                checkpoint_score_order=checkpoint_score_order(score),
             ),
             callbacks=[MLflowEpochLogger(mlflow_run, cfg.optim.epochs, cost, announce), *callbacks],
             worker_runtime_env={"env_vars": {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}},

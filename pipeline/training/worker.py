@@ -9,7 +9,6 @@ checkpoint when one is due). The details live in the components it calls.
 """
 from __future__ import annotations
 
-import math
 import tempfile
 import threading
 import time
@@ -23,7 +22,7 @@ import ray.train.torch
 import torch
 
 from pipeline.components.checkpointing import (ResumePoint, checkpoint_to_resume, load_checkpoint, model_identity,
-    save_checkpoint, save_final_weights, use_weights_only_loading)
+    save_checkpoint, save_final_weights, unranked_score, use_weights_only_loading)
 from pipeline.config.schema import ExperimentConfig
 from pipeline.console import duration, say, say_progress
 from pipeline.data.augment import BatchAugment
@@ -110,6 +109,7 @@ class Trainer:
         self.plan = plan
         self.cfg = ExperimentConfig.model_validate(plan.config)
         self.time_to_first_step: float | None = None
+        self.initial: dict[str, float] = {}  # initial_val_*: the metrics of the weights the run started from
         self.monitor_start: threading.Thread | None = None  # this node's system-metrics monitor (local rank 0)
         self.monitor = None
 
@@ -246,13 +246,15 @@ class Trainer:
     def train_epochs(self) -> None:
         raise_injected_oom(self.cfg.run.name, self.cfg.optim.micro_batch_size)  # a test's fault (oom.INJECT_ENV)
         # A run started from trained weights first evaluates them as loaded, before any step (reported
-        # with its first epoch as initial_val_*, MLflow's step 0).
-        initial = ({f"{INITIAL_PREFIX}{key}": value for key, value in self.evaluate(with_ema=False).items()}
-                   if self.plan.init_weights is not None and self.resumed is None else {})
-        if initial and self.rank == 0 and self.plan.announce:
-            say(f"epoch 0/{self.cfg.optim.epochs}  the initial weights, before any step:  val_loss "
-                f"{initial['initial_val_loss']:.4f}  val_top1 {initial['initial_val_top1']:.2f}%  "
-                f"val_top5 {initial['initial_val_top5']:.2f}%")
+        # with its first epoch as initial_val_*, MLflow's step 0; a restart within that epoch has them saved).
+        if self.plan.init_weights is not None and self.resumed is None:
+            self.initial = {f"{INITIAL_PREFIX}{key}": value for key, value in self.evaluate(with_ema=False).items()}
+            if self.rank == 0 and self.plan.announce:
+                say(f"epoch 0/{self.cfg.optim.epochs}  the initial weights, before any step:  val_loss "
+                    f"{self.initial['initial_val_loss']:.4f}  val_top1 {self.initial['initial_val_top1']:.2f}%  "
+                    f"val_top5 {self.initial['initial_val_top5']:.2f}%")
+        elif self.resumed is not None:
+            self.initial = self.resumed.initial_metrics
         # Epochs count from 1 in everything a person sees (console, MLflow steps, Tune, resumed_at_epoch);
         # `epoch` below is the 0-based index ffcv and the checkpoints use.
         for epoch in range(self.start_epoch, self.cfg.optim.epochs):
@@ -276,7 +278,7 @@ class Trainer:
                        **({} if self.training_sizes is None else {"train_img_size": size}),
                        **self.evaluate()}
             metrics["epoch_time_s"] = time.perf_counter() - started
-            self.end_epoch(epoch, {**metrics, **initial} if epoch == 0 else metrics)
+            self.end_epoch(epoch, {**metrics, **self.initial} if epoch == 0 else metrics)
 
     def resize_crops(self, epoch: int) -> None:
         """Progressive resolution: the epoch's training crop size, said on the console where it changes."""
@@ -293,7 +295,7 @@ class Trainer:
         if self.cfg.model.freeze == "backbone":
             train_head_only(self.engine.module)
         stats = EpochStats()
-        started = time.perf_counter()
+        started, saving = time.perf_counter(), 0.0  # saving: the seconds its checkpoints within it took
         steps = len(self.train_loader)
         first = self.batches_done if epoch == self.start_epoch else 0  # resumed within this epoch: its rest
         if first and self.rank == 0 and self.plan.announce:
@@ -309,10 +311,12 @@ class Trainer:
             stats.samples += len(labels) * self.world_size
             if (step + 1) % self.cfg.run.log_every_steps == 0 or step + 1 == steps:
                 stats.loss_sum += self.log_health(step)
-                self.show_progress(epoch, step + 1, steps, stats, time.perf_counter() - started)
+                self.show_progress(epoch, step + 1, steps, stats, time.perf_counter() - started - saving)
             if self.checkpoint_due_within_epoch(step + 1, steps):
+                saving -= time.perf_counter()
                 self.checkpoint_within_epoch(epoch, step + 1, steps)
-        stats.seconds = time.perf_counter() - started
+                saving += time.perf_counter()
+        stats.seconds = time.perf_counter() - started - saving  # training's: images_per_sec, TFLOP/s, MFU
         return stats
 
     def checkpoint_due_within_epoch(self, batches_done: int, batches: int) -> bool:
@@ -323,15 +327,18 @@ class Trainer:
 
     def checkpoint_within_epoch(self, epoch: int, batches_done: int, batches: int) -> None:
         """A checkpoint after ``batches_done`` batches of ``epoch``, reported to Ray Train without an epoch's
-        metrics: its score is NaN, which Ray ranks below every other, so it is kept only while it is the latest.
-        Rank 0 says so among its progress lines, in their order (the controller would say it later)."""
+        metrics: its score is the worst there is (``unranked_score``), so Ray keeps it in a place of
+        ``run.num_to_keep`` no scored checkpoint needs, or while it is the latest. Rank 0 says so among its
+        progress lines, in their order (the controller would say it later)."""
         accum = self.cfg.optim.grad_accum_steps
         steps_done, steps = batches_done // accum, batches // accum
         with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
             save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
-                            ema=self.ema, card=self.plan.model_card, steps_done=steps_done)
+                            ema=self.ema, card=self.plan.model_card, steps_done=steps_done,
+                            initial_metrics=self.initial if epoch == 0 else None)
+            score = self.cfg.run.checkpoint_score
             ray.train.report({"epoch": epoch + 1, MID_EPOCH_KEY: steps_done, EPOCH_STEPS_KEY: steps,
-                              self.cfg.run.checkpoint_score: math.nan},
+                              score: unranked_score(score)},
                              checkpoint=ray.train.Checkpoint.from_directory(directory))
         if self.rank == 0 and self.plan.announce:
             say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {steps_done}/{steps}  "
