@@ -65,22 +65,14 @@ def make_folder(root: Path, count: int) -> float:
     return float(np.mean([p.stat().st_size for p in root.rglob("*.jpg")])) / 1e3
 
 
-def posterize_to_black_at_zero_bits(img, bits_to_keep, **_):
-    # timm's PosterizeIncreasing reaches 0 bits at magnitude 10 (~0.15 % of images with m9 mstd0.5);
-    # Pillow 13 rejects 0 bits, which would kill a DataLoader worker mid-run. Black, as timm intends.
-    from timm.data import auto_augment
-
-    if bits_to_keep <= 0:
-        return Image.new(img.mode, img.size)
-    return auto_augment.posterize(img, bits_to_keep)
-
-
 def timm_epochs(folder: Path, args):
     import torch
-    from timm.data import Mixup, auto_augment, create_loader
+    from timm.data import Mixup, create_loader
     from timm.data.dataset import ImageDataset
 
-    auto_augment.NAME_TO_OP["PosterizeIncreasing"] = posterize_to_black_at_zero_bits
+    from pipeline.data.rand_augment import use_timms_posterize_as_intended
+
+    use_timms_posterize_as_intended()
     loader = create_loader(
         ImageDataset(str(folder)), input_size=(3, IMG_SIZE, IMG_SIZE), batch_size=args.batch, is_training=True,
         use_prefetcher=False, re_prob=0.25, re_mode="pixel", re_count=1, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),

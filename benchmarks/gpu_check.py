@@ -308,29 +308,16 @@ def step_comparison(model: PaperModel, sizes: Sizes, device, peak: float | None,
     return result
 
 
-def _posterize_as_pillow_9(img, bits_to_keep, **_):
-    """timm's posterize as it ran before Pillow 10, which now raises for 0 bits: timm's increasing posterize
-    reaches 0 at the top of DeiT's magnitude noise, a draw in a few thousand (0 bits: black, as
-    ``pipeline.data.rand_augment`` keeps it)."""
-    from PIL import Image, ImageOps
-
-    if bits_to_keep >= 8:
-        return img
-    return ImageOps.posterize(img, bits_to_keep) if bits_to_keep >= 1 else Image.new(img.mode, img.size)
-
-
 def _timm_rand_augment_images(args: tuple) -> int:
     """One CPU worker's share: timm's RandAugment (DeiT's spec) on ``count`` PIL images, per image."""
     count, side, spec = args
     import numpy as np
     from PIL import Image
-    from timm.data import auto_augment
     from timm.data.auto_augment import rand_augment_transform
 
-    from pipeline.data.rand_augment import timm_hparams
+    from pipeline.data.rand_augment import timm_hparams, use_timms_posterize_as_intended
 
-    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
-        auto_augment.NAME_TO_OP[name] = _posterize_as_pillow_9
+    use_timms_posterize_as_intended()  # Pillow 13 raises on 0 bits: ~0.2 % of images
     transform = rand_augment_transform(spec, timm_hparams(side, (0.485, 0.456, 0.406)))
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(8)]

@@ -135,6 +135,20 @@ def test_posterize_to_zero_bits_is_black_where_timms_op_raises():
     assert (op(_batch_of(PHOTOS).float(), level(ten, torch.ones_like(ten), HPARAMS), FILL) == 0).all()
 
 
+def test_timms_posterize_made_black_at_zero_bits_for_the_benchmarks_keeps_its_other_levels(monkeypatch):
+    from pipeline.data.rand_augment import use_timms_posterize_as_intended
+
+    timms = auto_augment.posterize
+    monkeypatch.setattr(auto_augment, "NAME_TO_OP", dict(auto_augment.NAME_TO_OP))  # restored after the test
+    use_timms_posterize_as_intended()
+    black = auto_augment.AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10, hparams=HPARAMS)(
+        Image.fromarray(PHOTOS[0]))
+    assert not np.asarray(black).any()
+    for bits in (1, 4, 8):
+        ours = auto_augment.NAME_TO_OP["PosterizeIncreasing"](Image.fromarray(PHOTOS[0]), bits)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(timms(Image.fromarray(PHOTOS[0]), bits)))
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_level_arguments_equal_timms_level_functions(name):
     _, level = OPS[name]

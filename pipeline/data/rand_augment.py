@@ -297,6 +297,25 @@ def timm_hparams(img_size: int, mean: tuple[float, float, float]) -> dict:
     }
 
 
+def use_timms_posterize_as_intended() -> None:
+    """For timm's own RandAugment beside ours (benchmarks): its posterize makes 0 bits black, as Pillow < 10
+    did. timm's PosterizeIncreasing reaches 0 bits at magnitude 10 (~0.2 % of images under DeiT's m9
+    mstd0.5), which Pillow 13 rejects, ending a DataLoader worker or a benchmark mid-run."""
+    from timm.data import auto_augment
+
+    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
+        auto_augment.NAME_TO_OP[name] = _timm_posterize_black_at_zero_bits
+
+
+def _timm_posterize_black_at_zero_bits(img, bits_to_keep, **_):
+    from PIL import Image
+    from timm.data import auto_augment
+
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return auto_augment.posterize(img, bits_to_keep)
+
+
 def parse_policy(
     spec: str, img_size: int = 224, mean: tuple[float, float, float] = (0.485, 0.456, 0.406),
 ) -> RandAugmentPolicy:
