@@ -179,18 +179,20 @@ def killed_and_rerun(tmp_path_factory, digits16) -> KilledAndRerun:
                          "run.checkpoint_score=lr", "data.repeated_augmentation=3")
     driver = RunningVitsweep(args)
     driver.wait_for_line("epoch 2/4  step 12/22  checkpoint saved (within the epoch)")  # rank 0's, once saved
-    # ... and registered by Ray, so the restart must load it (a checkpoint directory alone may not be
-    # registered yet, and the group would restart from the epoch before)
-    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=1, steps_done=12), 60,
-             "Ray to register the checkpoint within the second epoch")
     first = wait_for(driver.train_workers, 60, "the training workers")[-1]
+    # ... and registered by Ray, so the restart must load it (a checkpoint directory alone may not be
+    # registered yet, and the group would restart from the epoch before). Killed at once: Ray's controller
+    # registers a report per poll (every 2 s), so the epoch's end, trained by then on a fast host, comes a
+    # poll later
+    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=1, steps_done=12), 60,
+             "Ray to register the checkpoint within the second epoch", every=0.05)
     first.kill()
     # the restarted group's epoch 2, then epoch 3's checkpoint within it: the newest Ray registered when the run
     # fails, and the one the re-run finds first in Ray's record of them
     driver.wait_for_line("epoch 3/4  step 12/22  checkpoint saved (within the epoch)")
-    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=2, steps_done=12), 60,
-             "Ray to register the checkpoint within the third epoch")
     second = wait_for(driver.train_workers, 60, "the restarted group's workers")[-1]
+    wait_for(lambda: _registered_within_epoch(storage / "resumed", epoch=2, steps_done=12), 60,
+             "Ray to register the checkpoint within the third epoch", every=0.05)
     second.kill()
     assert driver.finish(timeout=300) == 1, driver.output[-3000:]
     wait_for(lambda: not driver.processes(), 60, "every process the failed command started to end")
