@@ -46,13 +46,9 @@ class DistilledViT(DistillationHeadsMixin, QKVOverrideMixin, VisionTransformerDi
 
     It always trains with its token: while its heads train it returns ``DistilledLogits`` (the class head's and
     the distillation head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT
-    (``models.layers.heads.DistillationHeadsMixin``). With ``qkv="linear"`` it is timm's model, weight for
-    weight. No ``head=`` override: the heads are DeiT's.
+    (``models.layers.heads.DistillationHeadsMixin``, in place of timm's ``distilled_training`` switch). With
+    ``qkv="linear"`` it is timm's model, weight for weight. No ``head=`` override: the heads are DeiT's.
     """
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.set_distilled_training(True)
 
 
 def _create_vit(variant: str, timm_variant: str, pretrained: bool, model_cls: type = ViT,

@@ -45,9 +45,10 @@ class DistilledXCiT(DistillationHeadsMixin, QKVOverrideMixin, Xcit):
     then update both (``models.layers.class_attention``); the XCA blocks never see it, as they never see the
     class token. While its heads train it returns ``DistilledLogits`` (the class head's and the distillation
     head's logits, for the task loss and the teacher's), in eval mode their mean, as DeiT
-    (``models.layers.heads.DistillationHeadsMixin``). ``features_only`` drops the token with the class token. Paper 003 distils "as
-    proposed by Touvron et al." without saying how; its authors' code trains the class head on the teacher
-    instead (``distill`` on an ``xcit_*`` model). No ``head=`` override: the heads are DeiT's.
+    (``models.layers.heads.DistillationHeadsMixin``). ``features_only`` drops the token with the class token.
+    Paper 003 distils "as proposed by Touvron et al." without saying how; its authors' code trains the class
+    head on the teacher instead (``distill`` on an ``xcit_*`` model). No ``head=`` override: the heads are
+    DeiT's.
     """
 
     def __init__(self, **kwargs):

@@ -221,8 +221,8 @@ def schema_problem(key: str) -> str | None:
             hint = f" (did you mean {'.'.join([*parts[:depth], close[0]])!r}?)" if close else ""
             return f"{key!r} is not a config key{hint}; valid keys under {prefix or 'the config'}: {', '.join(fields)}"
         annotation = fields[part].annotation
-        if _section(annotation) is not None:
-            section = _section(annotation)
+        if (inner := _section(annotation)) is not None:
+            section = inner
             continue
         rest, here = parts[depth + 1:], ".".join(parts[:depth + 1])
         if typing.get_origin(annotation) is dict:  # model.args: the model's constructor arguments
@@ -241,9 +241,10 @@ def _section_keys(loc: tuple[Any, ...]) -> list[str]:
     section: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
         field = section.model_fields.get(str(part))
-        if field is None or _section(field.annotation) is None:
+        inner = _section(field.annotation) if field is not None else None
+        if inner is None:
             return []
-        section = _section(field.annotation)
+        section = inner
     return list(section.model_fields)
 
 

@@ -330,16 +330,11 @@ class Trainer:
         metrics: its score is the worst there is (``unranked_score``), so Ray keeps it in a place of
         ``run.num_to_keep`` no scored checkpoint needs, or while it is the latest. Rank 0 says so among its
         progress lines, in their order (the controller would say it later)."""
-        accum = self.cfg.optim.grad_accum_steps
+        accum, score = self.cfg.optim.grad_accum_steps, self.cfg.run.checkpoint_score
         steps_done, steps = batches_done // accum, batches // accum
-        with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
-            save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
-                            ema=self.ema, card=self.plan.model_card, steps_done=steps_done,
-                            initial_metrics=self.initial if epoch == 0 else None)
-            score = self.cfg.run.checkpoint_score
-            ray.train.report({"epoch": epoch + 1, MID_EPOCH_KEY: steps_done, EPOCH_STEPS_KEY: steps,
-                              score: unranked_score(score)},
-                             checkpoint=ray.train.Checkpoint.from_directory(directory))
+        self.report_with_checkpoint(
+            {"epoch": epoch + 1, MID_EPOCH_KEY: steps_done, EPOCH_STEPS_KEY: steps, score: unranked_score(score)},
+            epoch, steps_done=steps_done, initial_metrics=self.initial if epoch == 0 else None)
         if self.rank == 0 and self.plan.announce:
             say_progress(epoch + 1, f"epoch {epoch + 1}/{self.cfg.optim.epochs}  step {steps_done}/{steps}  "
                                     "checkpoint saved (within the epoch)")
@@ -434,10 +429,16 @@ class Trainer:
         if (epoch + 1) % self.cfg.run.checkpoint_every and not last:
             ray.train.report(metrics)
             return
+        self.report_with_checkpoint(metrics, epoch, final=last)
+
+    def report_with_checkpoint(self, metrics: dict[str, float], epoch: int, final: bool = False,
+                               **within_epoch) -> None:
+        """``metrics`` reported to Ray Train with this rank's checkpoint of ``epoch`` (``within_epoch``:
+        ``save_checkpoint``'s steps_done and initial_metrics); ``final``: with the run's final weights too."""
         with tempfile.TemporaryDirectory(prefix="vitsweep-ckpt-") as directory:
             save_checkpoint(self.engine, Path(directory), epoch=epoch, identity=self.identity, rank=self.rank,
-                            ema=self.ema, card=self.plan.model_card)
-            if last:
+                            ema=self.ema, card=self.plan.model_card, **within_epoch)
+            if final:
                 save_final_weights(self.engine, Path(directory), self.rank, ema=self.ema)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
