@@ -9,7 +9,7 @@ from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_
                                     load_spaces, parse_space)
 
 SHIPPED = ["fsne_code_size", "sot_mgcrp_heads", "sot_mgcrp_repr", "svpn_alpha", "eit_channel_ratio", "lr_wd",
-           "eit_vs_vit_digits", "finetune_lr_layer_decay"]
+           "eit_vs_vit_digits", "finetune_lr_layer_decay", "smoke_lr_wd"]
 
 
 def _base(space, preset="smoke"):
@@ -37,10 +37,21 @@ def test_the_readmes_spaces_table_lists_every_shipped_space():
     assert sorted(listed) == sorted(available_spaces())
 
 
-@pytest.mark.parametrize("name", [name for name in SHIPPED if name != "svpn_alpha"])
+@pytest.mark.parametrize("name", [name for name in SHIPPED if name not in ("svpn_alpha", "smoke_lr_wd")])
 def test_every_shipped_space_plans_a_grid_of_buildable_trials(name):
     plan = _grid(load_space(name))
     assert plan.variants and not plan.pruned
+
+
+def test_the_first_sweep_samples_8_distinct_buildable_configurations_of_its_own_searcher():
+    # README's first sweep: knob importance needs 8 configurations (README "Which knob mattered")
+    space = load_space("smoke_lr_wd")
+    base = _base(space)
+    tune = base["tune"]
+    assert (tune["searcher"], tune["num_samples"], tune["scheduler"]) == ("random", 8, "fifo")
+    plan = plan_trials(space, base, tune["searcher"], tune["num_samples"], seed=0)
+    assert not plan.pruned and len({tuple(sorted(v.items())) for v in plan.variants}) == 8
+    assert all(1e-4 <= v["optim.lr_per_512"] <= 1e-2 and 0.005 <= v["optim.weight_decay"] <= 0.2 for v in plan.variants)
 
 
 def test_fsne_study_crosses_code_sizes_with_starred_variants():

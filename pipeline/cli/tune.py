@@ -54,6 +54,7 @@ def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.spend import format_spend
     from pipeline.sweeps.importance import format_importance
     from pipeline.sweeps.summary import SUMMARY_NAME
+    from pipeline.sweeps.trial import knobs_text
     from pipeline.tracking.connection import check_logger_can_reach
     from pipeline.tracking.ui import ui_link, ui_server, where_to_look
 
@@ -79,7 +80,7 @@ def _sweep(args: argparse.Namespace, console) -> int:
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
         console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
-                     f"{outcome.best.knobs}")
+                     f"{knobs_text(outcome.best.knobs)}")
     console.line(f"  sweep directory: {outcome.directory}\n"
                  f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
                  + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view)

@@ -367,7 +367,8 @@ def describe_sweep(sweep: Sweep) -> str:
     charts = ("" if trials >= view.PARALLEL_MIN_TRIALS else
               f" The chart view plots {cfg.tune.metric} against each knob; a parallel-coordinates chart needs "
               f"{view.PARALLEL_MIN_TRIALS} trials or more.")
-    return (f"Sweep **{sweep.space.name}**: {description}. {cfg.tune.searcher} over "
+    searched = {"grid": "A grid", "random": "Random search", "tpe": "Optuna TPE"}[cfg.tune.searcher]
+    return (f"Sweep **{sweep.space.name}**: {description}. {searched} over "
             f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({counted(trials, 'trial')}, {cfg.tune.scheduler}), "
             f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode})."
             + charts)

@@ -52,8 +52,13 @@ class SweepPlan:
     init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.trained.transfer)
 
 
+def knobs_text(knobs: dict[str, Any]) -> str:
+    """A trial's knobs as a person reads them: ``lr_per_512=0.00655 weight_decay=0.03217``."""
+    return " ".join(f"{name}={knobs[key]}" for key, name in short_keys(knobs).items())
+
+
 def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:
-    return f"{trial_id} " + " ".join(f"{name}={knobs[key]}" for key, name in short_keys(knobs).items())
+    return f"{trial_id} {knobs_text(knobs)}"
 
 
 def knob_params(knobs: dict[str, Any], log_keys: Collection[str] = ()) -> dict[str, Any]:
