@@ -3,8 +3,9 @@ vitsweep gives: a training run and a sweep's trials read as model-training runs 
 the GenAI "Overview"), with the sweep's knobs as columns and on the compare page; the sweep's chart
 view drawn as its saved view configures it; its summary page on the parent run.
 
-The store is a user's after README "Fine-tuning" (``conftest.readme_finetuning``: its sweep over the
-learning rate and layer decay is the sweep browsed here) and then the demo's command in it.
+The store is a user's after README "Fine-tuning" (``conftest.readme_finetuning``) and then, in the same
+directory, README "A first sweep" (8 random trials over the learning rate and weight decay: the sweep
+browsed here) and the demo's command, each joining the session's warm Ray as README "Fine-tuning"'s do.
 
 The training run's logged model, evaluated and registered as README "After training" does, lists on
 its page the evaluation (its dataset and metrics).
@@ -13,13 +14,15 @@ The screenshots go to $VITSWEEP_UI_SCREENSHOTS when set (`make ui-screenshots` r
 tests/ui_screenshots/), else to the test's temp dir."""
 import contextlib
 import io
+import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from conftest import run_vitsweep, train_command, wait_for
+from conftest import REPO, readme_block, readme_shell_env, train_command, untracked_by_git, vitsweep_env, wait_for
 from pipeline.tracking.ui import ui_compare_link, ui_link
 from webdriver import SCATTER_CHARTS_JS
 
@@ -37,13 +40,26 @@ DEMO_EPOCHS, DEMO_FLOOR = 2, 40.0
 
 
 @pytest.fixture(scope="module")
-def store(readme_finetuning, digits16) -> tuple[Path, dict[str, str], str]:
-    """A store holding what a user has after README "Fine-tuning" and then the demo: the pre-trained run,
-    a 2-trial sweep fine-tuning it (over ``optim.lr`` and ``optim.layer_decay``), and the demo's run (its
-    config, shortened) under its automatic name; and the UI links the demo and the sweep printed."""
-    storage, (_, sweep) = readme_finetuning
-    demo = run_vitsweep(train_command(storage, digits16, "model.img_size=16", f"optim.epochs={DEMO_EPOCHS}",
-                                      config="default"))
+def first_sweep(readme_finetuning, warm_rays) -> subprocess.CompletedProcess:
+    """README "A first sweep"'s command as written, in README "Fine-tuning"'s directory after its commands."""
+    storage, _ = readme_finetuning
+    (command,) = readme_block("## A first sweep")
+    result = subprocess.run(["bash", "-c", command], cwd=storage.parent, capture_output=True, text=True,
+                            env={**readme_shell_env(), **warm_rays.running().joining}, timeout=1200)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def store(readme_finetuning, first_sweep, warm_rays, digits16) -> tuple[Path, dict[str, str], str]:
+    """A store holding what a user has after README "Fine-tuning", README "A first sweep" and the demo: the
+    pre-trained run, a 2-trial sweep fine-tuning it, the 8-trial first sweep, and the demo's run (its config,
+    shortened) under its automatic name; and the UI links the demo and the first sweep printed."""
+    storage, _ = readme_finetuning
+    sweep = first_sweep
+    demo = subprocess.run(train_command(storage, digits16, "model.img_size=16", f"optim.epochs={DEMO_EPOCHS}",
+                                        config="default"), capture_output=True, text=True, timeout=600,
+                          env={**vitsweep_env(), **warm_rays.running().joining})
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
     links = {"demo": PRINTED_LINK.search(demo.stdout).group(1), "sweep": PRINTED_LINK.search(sweep.stdout).group(1),
              "summary": SUMMARY_LINK.search(sweep.stdout).group(1)}
@@ -57,18 +73,21 @@ def server(store, readme_store_server) -> str:
     return readme_store_server
 
 
+FIRST_SWEEP_TRIALS = 8  # README "A first sweep": tune.num_samples in tune_spaces/smoke_lr_wd.yaml
+
+
 @pytest.fixture(scope="module")
 def runs(store):
-    """The demo run, the sweep's parent and its trials, and their experiment id."""
+    """The demo run, the first sweep's parent and its trials, and their experiment id."""
     storage, _, _ = store
     client = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
-    role = lambda run: run.data.tags.get("vitsweep.role")  # noqa: E731
     [demo] = [run for run in found if run.info.run_name == store[2]]
-    [sweep] = [run for run in found if role(run) == "sweep"]
-    trials = [run for run in found if role(run) == "trial"]
-    assert len(trials) == 2
+    [sweep] = [run for run in found if run.data.tags.get("vitsweep.role") == "sweep"
+               and run.info.run_name.startswith("smoke_lr_wd-")]
+    trials = [run for run in found if run.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
+    assert len(trials) == FIRST_SWEEP_TRIALS
     return experiment, demo, sweep, trials
 
 
@@ -149,9 +168,9 @@ def test_the_link_a_training_run_prints_opens_its_page_as_a_model_training_run(s
     assert "Observability" not in facts["text"]  # GenAI's sidebar
 
 
-KNOBS = {"optim.lr": "lr", "optim.layer_decay": "layer_decay"}  # README's fine-tuning space, and their columns
-# what its charts plot: the log-uniform rate by its log10 (MLflow 3.17's charts have no log axis), the decay as sampled
-CHARTED = ("log10_lr", "layer_decay")
+KNOBS = {"optim.lr_per_512": "lr_per_512", "optim.weight_decay": "weight_decay"}  # the first sweep's, and their columns
+# what its charts plot: both knobs are log-uniform, so by their log10 (MLflow 3.17's charts have no log axis)
+CHARTED = ("log10_lr_per_512", "log10_weight_decay")
 
 
 def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(server, store, runs, browser,
@@ -179,35 +198,72 @@ def test_the_link_a_sweep_prints_opens_its_runs_table_with_a_column_per_knob(ser
 def test_the_compare_link_of_a_sweeps_trials_compares_them_by_their_knob(server, runs, browser, screenshots):
     experiment, _, _, trials = runs
     browser.open(ui_compare_link(server, experiment, [run.info.run_id for run in trials]))
-    browser.wait_for_text("Comparing 2 Runs", "Parallel Coordinates Plot")
+    browser.wait_for_text(f"Comparing {FIRST_SWEEP_TRIALS} Runs", "Parallel Coordinates Plot")
     browser.screenshot(screenshots / "sweep_compare.png")
     words = set(browser.facts()["text"].split())
     assert set(KNOBS) <= words
     assert {trial.data.params[key] for trial in trials for key in KNOBS} <= words  # each trial's values
 
 
-def test_the_sweeps_chart_view_plots_the_metric_against_each_knob_with_every_trials_point(
-        server, store, runs, browser, screenshots):
+def test_the_sweeps_chart_view_plots_the_metric_across_and_against_each_knob_with_every_trials_point(
+        server, store, runs, readme_finetuning, browser, screenshots):
     _, _, sweep, trials = runs
     browser.open(_printed(store, "sweep", server))
     browser.wait_for_text(sweep.info.run_name, "val_top1")
     browser.click(CHART_VIEW)  # then nothing else: the saved view holds the charts
-    # the charts below the window are drawn when scrolled to: "per epoch" holds its two (metric, training loss)
-    browser.wait_for_text("val_top1 against each knob", *(f"{name} vs. val_top1" for name in CHARTED),
+    # the cards below the window are drawn when scrolled to; the sections' names show their cards' counts
+    browser.wait_for_text("val_top1 across the knobs\n(1)", f"val_top1 against each knob\n({len(CHARTED)})",
                           "per epoch\n(2)", "system/node0")
-    charts = wait_for(lambda: (lambda found: found if len(found) == len(CHARTED) else None)(
-        browser.script(SCATTER_CHARTS_JS)), 60, "a scatter per knob")
     browser.screenshot(screenshots / "sweep_charts.png")
     text = browser.facts()["text"]
-    # 2 trials: no parallel-coordinates chart (its lines would run along its frame), and the sweep says why
-    assert "across the knobs" not in text and "Parallel Coordinates" not in text
-    assert "a parallel-coordinates chart needs 3 trials or more" in sweep.data.tags["mlflow.note.content"]
-    assert text.index("against each knob") < text.index("per epoch") < text.index("Model metrics") < text.index("system/node0")
-    assert sorted(chart["title"] for chart in charts) == sorted(f"{name} vs. val_top1" for name in CHARTED)
-    for chart in charts:  # each trial's point drawn inside the plot
-        assert len(chart["points"]) == len(trials), chart
-        left, top, right, bottom = chart["area"]
-        assert all(left <= x <= right and top <= y <= bottom for x, y in chart["points"]), chart
+    assert (text.index("across the knobs") < text.index("against each knob") < text.index("per epoch")
+            < text.index("Model metrics") < text.index("system/node0"))
+    # a 2-trial sweep has no parallel-coordinates chart (its lines would run along its frame), and says why
+    (finetuning,) = [run for run in MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").search_runs(
+        [runs[0]], "tags.`vitsweep.role` = 'sweep'") if run.info.run_id != sweep.info.run_id]
+    assert "a parallel-coordinates chart needs 3 trials or more" in finetuning.data.tags["mlflow.note.content"]
+    assert "parallel-coordinates chart needs" not in sweep.data.tags["mlflow.note.content"]
+
+
+def test_each_knobs_scatter_shows_every_trials_point_clear_of_the_charts_toolbar(server, store, runs, browser,
+                                                                                 screenshots):
+    """At 1280 x 800 with the Assistant panel open (a first visit), each knob's scatter, scrolled to, with the
+    pointer over it: Plotly then shows its toolbar (the modebar) over the plot's top, where the best trials sit."""
+    _, _, sweep, trials = runs
+    with browser.sized(1280, 800):
+        browser.open(_printed(store, "sweep", server))
+        browser.wait_for_text(sweep.info.run_name, "val_top1")
+        browser.click(CHART_VIEW)
+        browser.wait_for_text("val_top1 against each knob")
+        # a card is drawn once scrolled to: the section's top, then past each scatter to the next
+        browser.scroll_to(browser.element("//*[text()='val_top1 against each knob']"))
+        for name in CHARTED:
+            title = f"{name} vs. val_top1"
+            chart = wait_for(lambda: _scatter_titled(browser, title), 60, f"the {name} scatter drawn")  # noqa: B023
+            browser.scroll_to(chart["plot"], below_top=100)  # the whole plot on the 800-px screen
+            browser.hover(chart["plot"], ".nsewdrag")
+            chart = wait_for(lambda: _scatter_titled(browser, title), 30, f"the {name} scatter")  # noqa: B023
+            if name == CHARTED[0]:
+                browser.screenshot(screenshots / "sweep_scatter_toolbar.png")
+            assert len(chart["markers"]) == len(trials), chart
+            left, top, right, bottom = chart["area"]
+            tool_left, tool_top, tool_right, tool_bottom = chart["toolbar"]
+            for marker_left, marker_top, marker_right, marker_bottom in chart["markers"]:
+                assert left <= (marker_left + marker_right) / 2 <= right and top <= (marker_top + marker_bottom) / 2 <= bottom, chart
+                overlaps = (marker_left < tool_right and tool_left < marker_right
+                            and marker_top < tool_bottom and tool_top < marker_bottom)
+                assert not overlaps, (name, chart)
+            # the knob is log-uniform: the axis is its log10, each point at its trial's log10 of the knob
+            knob = next(short for short in KNOBS.values() if name == f"log10_{short}")
+            assert sorted(round(float(run.data.params[name]), 4) for run in trials) == sorted(
+                round(math.log10(float(run.data.params[knob])), 4) for run in trials)
+            browser.scroll_to(chart["plot"], below_top=-(chart["area"][3] - chart["area"][1]))  # past it: the next one drawn
+
+
+def _scatter_titled(browser, title: str) -> dict | None:
+    """The drawn scatter card titled ``title``: its plot element, plot area, its points' marker boxes and its
+    toolbar's box (None while hidden), in screen coordinates."""
+    return next((chart for chart in browser.script(SCATTER_CHARTS_JS) if chart["title"] == title), None)
 
 
 def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, runs, browser, screenshots):
@@ -217,9 +273,10 @@ def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, run
     page = wait_for(lambda: browser.in_frame("iframe.mlflow-html-iframe", SUMMARY_PAGE_JS), 60, "summary.html drawn")
     browser.screenshot(screenshots / "sweep_summary.png")
     assert f"Sweep {sweep.info.run_name} (finished)" in page["text"] and sweep.data.tags["best_trial_id"] in page["text"]
-    assert "knob importance for val_top1: too few trials to say (2 configurations" in page["text"]
+    assert "knob importance for val_top1 (fANOVA over 8 configurations; shares sum to 1):" in page["text"]
     # it reads as written: the space's description ends its own sentence, and its trials trained 1 epoch
     assert ".." not in page["text"] and "1 epoch each" in page["text"] and "after 1 epoch." in page["text"]
+    assert "Random search over optim.lr_per_512, optim.weight_decay (8 trials, fifo)" in page["text"]
     # the answers first (best trial, which knob mattered, what it cost), the recipe's departures after them
     text = page["text"]
     assert text.index("Best configuration") < text.index("Which knob mattered") < text.index("Recipe: closest to paper")
@@ -230,6 +287,29 @@ SUMMARY_PAGE_JS = """
 if (!document.body || !document.body.innerText.includes('Which knob mattered')) return null;
 return {text: document.body.innerText, images: [...document.images].map(image => image.naturalWidth)};
 """
+
+
+def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_its_runs(first_sweep, readme_finetuning):
+    section = (REPO / "README.md").read_text().split("## A first sweep\n", 1)[1].split("\n## ", 1)[0]
+    shown = section.split("```\n", 2)[2].split("\n```", 1)[0].splitlines()  # the block after the command's
+    printed = first_sweep.stdout.splitlines()
+    for started in (line for line in printed if line.endswith(": started")):  # each trial started, trained, ended
+        trial = started.removesuffix(": started")
+        assert f"{trial}: epoch 1/1" in first_sweep.stdout and f"{trial}: completed" in first_sweep.stdout
+    assert sum(line.endswith(": started") for line in printed) == FIRST_SWEEP_TRIALS
+    table_at = next(at for at, line in enumerate(printed) if re.fullmatch(r"sweep smoke_lr_wd-\d{8}-\d{6} \(finished\):", line))
+    assert printed[table_at + 1].startswith(shown[1].removesuffix("…").rstrip())  # the table's head, as README cuts it
+    # the knobs ranked as README shows them: the learning rate decides a first epoch, weight decay hardly can
+    importance_head = next(line for line in shown if line.startswith("knob importance"))
+    at = printed.index(importance_head)
+    ranked = lambda lines, start: [line.split()[0] for line in lines[start + 1:start + 3]]  # noqa: E731
+    assert ranked(printed, at) == ranked(shown, shown.index(importance_head)) == ["lr_per_512", "weight_decay"]
+    assert re.search(r"^best trial \w+: val_top1 [\d.]+  lr_per_512=[\d.e-]+ weight_decay=[\d.e-]+$",
+                     first_sweep.stdout, re.M)
+    assert re.search(r"then open: http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?viewStateShareKey="
+                     r"vitsweep-smoke_lr_wd-\d{8}-\d{6}&workflowType=machine_learning$", first_sweep.stdout, re.M)
+    storage, _ = readme_finetuning
+    assert untracked_by_git(storage.parent) == []  # everything it wrote is under ./vitsweep-runs (ignored)
 
 
 def test_the_demo_run_is_named_automatically_and_learns_the_digits(store, runs):

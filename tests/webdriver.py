@@ -37,8 +37,9 @@ return {heading: (document.querySelector('h2') || {}).innerText || null,
         text: document.body.innerText};
 """
 
-# Each drawn "<knob> vs. <metric>" chart (Plotly, in MLflow's chart cards): its card's title, its plot area
-# [left, top, right, bottom] and its points' centres, in screen coordinates.
+# Each drawn "<knob> vs. <metric>" chart (Plotly, in MLflow's chart cards): its card's title, its plot element,
+# its plot area [left, top, right, bottom], its points' marker boxes, and its toolbar's box (Plotly's modebar,
+# which it shows over the plot on hover), in screen coordinates.
 SCATTER_CHARTS_JS = """
 const box = element => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
 const title = plot => {
@@ -47,10 +48,10 @@ const title = plot => {
   return '';
 };
 return [...document.querySelectorAll('.js-plotly-plot')]
-  .map(plot => ({title: title(plot), area: box(plot.querySelector('.nsewdrag')),
-                 points: [...plot.querySelectorAll('.scatterlayer path.point')].map(point => {
-                   const [l, t, r, b] = box(point); return [(l + r) / 2, (t + b) / 2]; })}))
-  .filter(chart => chart.title.includes(' vs. ') && chart.points.length);
+  .map(plot => ({title: title(plot), plot: plot, area: box(plot.querySelector('.nsewdrag')),
+                 markers: [...plot.querySelectorAll('.scatterlayer path.point')].map(box),
+                 toolbar: plot.querySelector('.modebar') ? box(plot.querySelector('.modebar')) : null}))
+  .filter(chart => chart.title.includes(' vs. ') && chart.markers.length);
 """
 
 
@@ -148,6 +149,32 @@ class Browser:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never showed {missing!r}; it shows: {body[:800]!r}")
             time.sleep(0.5)
+
+    def element(self, xpath: str) -> dict:
+        """The first element matching ``xpath`` (a reference to pass to ``script`` or ``hover``)."""
+        return self._session("POST", "/element", {"using": "xpath", "value": xpath})
+
+    def hover(self, element: dict, css: str = "") -> None:
+        """The pointer moved, as a user's mouse, onto the centre of ``element`` (of its first descendant
+        matching ``css`` if given)."""
+        if css:
+            element = self._session("POST", f"/element/{element[ELEMENT]}/element", {"using": "css selector", "value": css})
+        move = {"type": "pointerMove", "origin": element, "x": 0, "y": 0, "duration": 50}
+        self._session("POST", "/actions", {"actions": [{"type": "pointer", "id": "mouse", "parameters": {
+            "pointerType": "mouse"}, "actions": [move]}]})
+
+    def scroll_to(self, element: dict, below_top: float = 0) -> None:
+        """Scrolls ``element``'s scrolling ancestor (a pane of its own, which ``scrollIntoView`` may leave
+        short) until the element's top is ``below_top`` px below that ancestor's top (negative: above it)."""
+        self.script("""
+const [element, offset] = arguments;
+for (let node = element.parentElement; node; node = node.parentElement)
+  if (/auto|scroll/.test(getComputedStyle(node).overflowY) && node.scrollHeight > node.clientHeight) {
+    node.scrollTop += element.getBoundingClientRect().top - node.getBoundingClientRect().top - offset;
+    return;
+  }
+element.scrollIntoView({block: 'start'});
+""", element, below_top)
 
     def click(self, css: str) -> None:
         """A real click (pointer events, as a user's) on the first element matching ``css``."""

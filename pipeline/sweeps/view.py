@@ -13,8 +13,9 @@ The sweep's charts, the first thing its chart view shows:
 - "<metric> across the knobs": a parallel-coordinates chart, the page's width, of every knob that
   applies to every trial into the metric (a line per trial, coloured by the metric), for a sweep of
   at least ``PARALLEL_MIN_TRIALS`` trials (the sweep's description says why a smaller one has none);
-- "<metric> against each knob": a scatter per knob (Plotly makes a numeric knob's axis numeric and a
-  choice of names one category per value). Neither chart has a log axis in MLflow 3.17: a log-uniform
+- "<metric> against each knob": a scatter per knob, one per row and tall enough that the chart's toolbar
+  covers no point (``SCATTER_CARD_HEIGHT``; Plotly makes a numeric knob's axis numeric and a choice of
+  names one category per value). Neither chart has a log axis in MLflow 3.17: a log-uniform
   knob is drawn by the log10 its trials log beside it (``spaces.log10_param``), evenly spread as sampled;
 - "per epoch": the metric and the training loss per epoch, a line per trial;
 - the UI's own "Model metrics" (the other metrics), then the system metrics (CPU, memory, GPU) below.
@@ -32,6 +33,11 @@ from pipeline.sweeps.tracking import PARENT_TAG
 # Each parallel axis spans its trials' values, so 2 trials' lines run along the chart's frame: an empty-looking box.
 PARALLEL_MIN_TRIALS = 3
 MODEL_METRICS = "Model metrics"  # the UI's own section of the metrics without a "section/" prefix
+# A knob's scatter gets a row of its own, 640 px tall (the UI's cards are 360). Plotly's autorange leaves 5 % of
+# the plot's height (plus a marker's radius) above the top point, and the chart's toolbar (Plotly's modebar,
+# shown on hover, no view setting hides or moves it) is a 20-px row at the plot's top right, two rows where
+# two cards share a row: from a 490-px plot the best trials' points sit below it at any window width.
+SCATTER_CARD_HEIGHT = 640
 
 # The runs table's columns by their ag-grid ids, and their widths in px. At 1280 px with the Assistant panel
 # open, the table is 698 px wide (measured in Chromium); the row checkbox takes 73 of them.
@@ -74,14 +80,15 @@ def chart_state(space: SearchSpace, metric: str, trials: int) -> dict[str, Any]:
                     xaxis={"key": axis[dim.key], "type": "PARAM"}, yaxis={"key": metric, "type": "METRIC"})
               for dim in knobs]
     cards += [_line(f"vitsweep-line-{name}", per_epoch, trials, name) for name in dict.fromkeys([metric, TRAIN_LOSS])]
-    # (uuid, name, cards per row): the parallel chart gets the whole width, one axis per knob
-    sections = [(across, f"{metric} across the knobs", 1)] if parallel else []
-    sections += [(against, f"{metric} against each knob", 2), (per_epoch, "per epoch", 2),
-                 ("vitsweep-model-metrics", MODEL_METRICS, 3)]
+    # (uuid, name, cards per row, card height): the parallel chart gets the whole width, one axis per knob
+    sections = [(across, f"{metric} across the knobs", 1, None)] if parallel else []
+    sections += [(against, f"{metric} against each knob", 1, SCATTER_CARD_HEIGHT), (per_epoch, "per epoch", 2, None),
+                 ("vitsweep-model-metrics", MODEL_METRICS, 3, None)]
     return {
         "compareRunCharts": cards,
         "compareRunSections": [{"uuid": uuid, "name": name, "display": True, "isReordered": False, "deleted": False,
-                                "isGenerated": False, "columns": columns} for uuid, name, columns in sections],
+                                "isGenerated": False, "columns": columns, **({"cardHeight": height} if height else {})}
+                               for uuid, name, columns, height in sections],
         "isAccordionReordered": True,  # keep these sections in this order; the UI adds system metrics' below
         "runsHiddenMode": "SHOW_ALL",  # the UI charts only its first 10 runs otherwise
     }
