@@ -374,8 +374,9 @@ def assert_scores_the_runs_metrics(model, cfg, val_beton: Path, metrics: dict[st
     assert ours["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def run_vitsweep(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, env=vitsweep_env(), timeout=timeout)
+def run_vitsweep(args: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``args`` run to the end in the suite's environment (``env`` added to it, e.g. a warm Ray's address)."""
+    return subprocess.run(args, capture_output=True, text=True, env={**vitsweep_env(), **(env or {})}, timeout=timeout)
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.5):
@@ -477,6 +478,12 @@ def readme_block(heading: str) -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
+def readme_output(heading: str) -> list[str]:
+    """The lines of README's first plain ``` block (a command's expected output) after ``heading``."""
+    section = (REPO / "README.md").read_text().split(heading + "\n", 1)[1]
+    return section.split("\n\n```\n", 1)[1].split("\n```", 1)[0].splitlines()  # a block opens after a blank line
+
+
 def ignoring_as_the_project_does(root: Path) -> Path:
     """``root`` made a git repository holding the project's .gitignore alone: after the README's commands
     run there, `git status` shows what a clone of the project would show."""
@@ -499,7 +506,8 @@ def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subproces
     """README's "Fine-tuning" commands run as written, one after the other, in a fresh directory (with the
     venv's `vitsweep` on PATH): a 2-epoch smoke run ``digits16`` (with an EMA) and a 2-trial fine-tuning sweep
     from it that registers its best trial. Their store (``./vitsweep-runs``) and each command's output; the
-    MLflow UI check browses the same store (adding the demo's run), and README "After training" continues in
+    MLflow UI check browses the same store (adding README "A first sweep" and the demo's run after every other
+    module that reads it), and README "After training" continues in
     the same directory (``test_after_training``), as a user would. The shell has exported RAY_ADDRESS=auto
     after `ray start --head` (README "A warm local Ray"): every command joins the warm Ray. The directory is
     a git repository holding the project's .gitignore alone, so that `git status` there tells whether the
@@ -518,7 +526,7 @@ def readme_finetuning(tmp_path_factory, warm_rays) -> tuple[Path, list[subproces
 @pytest.fixture(scope="session")
 def readme_store_server(readme_finetuning) -> Iterator[str]:
     """`mlflow server` on a free loopback port over README "Fine-tuning"'s store: one for the modules that
-    browse it (the fine-tuning check, the MLflow UI check after it adds the demo's run)."""
+    browse it (the fine-tuning check, the MLflow UI check after it adds the first sweep and the demo's run)."""
     storage, _ = readme_finetuning
     with mlflow_server(storage / "mlflow-server.log", "--backend-store-uri", f"sqlite:///{storage / 'mlflow.db'}") as uri:
         yield uri

@@ -61,7 +61,8 @@ class AfterTraining:
 @pytest.fixture(scope="module")
 def after_training(readme_finetuning, warm_rays, tmp_path_factory) -> AfterTraining:
     """In the shell of README "Fine-tuning"'s commands (RAY_ADDRESS=auto: the commands that use Ray join the
-    warm Ray); the warm Ray is stopped after them, the last of the session's README commands that join it."""
+    warm Ray); the warm Ray is stopped after them: the next module that joins it (`ray job submit`'s) comes after
+    the fine-tuning check's, which runs no command."""
     storage, (_, sweep) = readme_finetuning
     home, env, commands = storage.parent, {**readme_shell_env(), **warm_rays.running().joining}, {}
     # each command's wall time, for whoever sizes the suite (beside, not in, the user's directory)
@@ -192,7 +193,8 @@ def test_the_sweep_registered_its_best_trial_and_registering_the_sweep_again_add
     client = store[0]
     assert "registered run " in after_training.sweep.stdout and f"models:/{SWEEP_MODEL}@best" in \
         after_training.sweep.stdout
-    (parent,) = client.search_runs([store[1].info.experiment_id], "tags.`vitsweep.role` = 'sweep'")
+    (parent,) = client.search_runs([store[1].info.experiment_id], "tags.`vitsweep.role` = 'sweep' and "
+                                                                  "attributes.run_name LIKE 'finetune_lr_layer_decay-%'")
     (version,) = client.search_model_versions(f"name = '{SWEEP_MODEL}'")
     assert version.run_id == parent.data.tags["best_run_id"] and version.tags["trial_id"] == parent.data.tags[
         "best_trial_id"]

@@ -26,8 +26,10 @@ def runs(readme_finetuning):
     experiment = client.get_experiment_by_name("vitsweep").experiment_id
     found = client.search_runs([experiment])
     [source] = [run for run in found if run.info.run_name == PRETRAINED]
-    [sweep] = [run for run in found if run.data.tags.get("vitsweep.role") == "sweep"]
-    trials = [run for run in found if run.data.tags.get("vitsweep.role") == "trial"]
+    # the store's only sweep over this space (the MLflow UI check adds README "A first sweep" to it)
+    [sweep] = [run for run in found if run.data.tags.get("vitsweep.role") == "sweep"
+               and run.info.run_name.startswith("finetune_lr_layer_decay-")]
+    trials = [run for run in found if run.data.tags.get("mlflow.parentRunId") == sweep.info.run_id]
     assert len(trials) == 2 and all(run.info.status == "FINISHED" for run in [source, *trials])
     return client, source, sweep, trials
 

@@ -5,7 +5,6 @@ join it are README "Fine-tuning"'s and "After training"'s (``test_after_training
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +42,10 @@ class Submitted:
 
 
 @pytest.fixture(scope="module")
-def submitted(tmp_path_factory, warm_rays) -> Iterator[Submitted]:
+def submitted(tmp_path_factory, warm_rays) -> Submitted:
     """This checkout as a user has it (code and .git; without its venv or run outputs: the README's
-    `$PWD/vitsweep-runs` then lies in a temp dir), the README's command run in it. The warm Ray is stopped
-    after the module: no later command joins it."""
+    `$PWD/vitsweep-runs` then lies in a temp dir), the README's command run in it. The warm Ray stays up for
+    the MLflow UI check's commands after it (``pytest_runtest_teardown`` stops it after its last user)."""
     checkout = tmp_path_factory.mktemp("job-submit") / "checkout"
     shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(
         ".venv", "vitsweep-runs", "__pycache__", "*.beton", ".pytest_cache", "*.egg-info", "mlruns"))
@@ -56,8 +55,7 @@ def submitted(tmp_path_factory, warm_rays) -> Iterator[Submitted]:
     result = subprocess.run(["bash", "-c", command.replace(README_DASHBOARD, cluster.dashboard)],
                             cwd=checkout, capture_output=True, text=True, env=cluster.shell, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    yield Submitted(checkout, cluster, result)
-    warm_rays.stop()
+    return Submitted(checkout, cluster, result)
 
 
 def test_the_readme_ray_job_submit_command_trains_a_run_with_its_data_and_provenance_in_storage(submitted):

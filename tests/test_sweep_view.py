@@ -28,6 +28,18 @@ def test_the_parallel_coordinates_chart_runs_from_every_knob_into_the_metric():
     assert state["compareRunSections"][0]["columns"] == 1  # the page's width: one axis per knob
 
 
+MLFLOW_CARD_HEIGHT = 360  # MLflow 3.17's chart card height where a section sets none (its UI bundle: `cardHeight ?? 360`)
+
+
+def test_each_knobs_scatter_has_a_row_of_its_own_taller_than_the_uis_cards():
+    # the browser check (test_mlflow_ui) shows why: from this height Plotly's toolbar covers no point
+    state = sweep_view(load_space("smoke_lr_wd"), "val_top1", "max", "parent", trials=8)
+    sections = {s["name"]: s for s in state["compareRunSections"]}
+    assert sections["val_top1 against each knob"]["columns"] == 1
+    assert sections["val_top1 against each knob"]["cardHeight"] > MLFLOW_CARD_HEIGHT
+    assert all("cardHeight" not in s for name, s in sections.items() if name != "val_top1 against each knob")
+
+
 def test_a_sweep_of_two_trials_has_no_parallel_coordinates_chart():
     # each axis would span exactly the two trials' values: both lines on the chart's frame
     state = sweep_view(load_space("finetune_lr_layer_decay"), "val_top1", "max", "parent", trials=2)

@@ -1,8 +1,10 @@
 """Search spaces: shipped studies, schema checks, constraints pruned before a trial starts (no Ray)."""
 import random
+import re
 
 import pytest
 
+from conftest import readme_output
 from pipeline.config.loading import load_config, with_dotted
 from pipeline.sweeps.planning import plan_trials, resolve_trial
 from pipeline.sweeps.spaces import (SpaceError, available_spaces, combine, load_space,
@@ -52,6 +54,10 @@ def test_the_first_sweep_samples_8_distinct_buildable_configurations_of_its_own_
     plan = plan_trials(space, base, tune["searcher"], tune["num_samples"], seed=0)
     assert not plan.pruned and len({tuple(sorted(v.items())) for v in plan.variants}) == 8
     assert all(1e-4 <= v["optim.lr_per_512"] <= 1e-2 and 0.005 <= v["optim.weight_decay"] <= 0.2 for v in plan.variants)
+    # README's expected output shows trials this seed samples (the run's seed, 0, is the sweep's by default)
+    shown = [line.split()[2:4] for line in readme_output("## A first sweep") if re.match(r"\w+_\d{5}  completed", line)]
+    sampled = {(f"{v['optim.lr_per_512']:.4g}", f"{v['optim.weight_decay']:.4g}") for v in plan.variants}
+    assert shown and {tuple(pair) for pair in shown} <= sampled
 
 
 def test_fsne_study_crosses_code_sizes_with_starred_variants():

@@ -39,7 +39,7 @@ return {heading: (document.querySelector('h2') || {}).innerText || null,
 
 # Each drawn "<knob> vs. <metric>" chart (Plotly, in MLflow's chart cards): its card's title, its plot element,
 # its plot area [left, top, right, bottom], its points' marker boxes, and its toolbar's box (Plotly's modebar,
-# which it shows over the plot on hover), in screen coordinates.
+# which it fades in over the plot on hover) with whether it is shown (opaque), in screen coordinates.
 SCATTER_CHARTS_JS = """
 const box = element => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
 const title = plot => {
@@ -50,7 +50,9 @@ const title = plot => {
 return [...document.querySelectorAll('.js-plotly-plot')]
   .map(plot => ({title: title(plot), plot: plot, area: box(plot.querySelector('.nsewdrag')),
                  markers: [...plot.querySelectorAll('.scatterlayer path.point')].map(box),
-                 toolbar: plot.querySelector('.modebar') ? box(plot.querySelector('.modebar')) : null}))
+                 toolbar: plot.querySelector('.modebar') ? box(plot.querySelector('.modebar')) : null,
+                 toolbar_shown: [...plot.querySelectorAll('.modebar-group')].some(
+                   group => getComputedStyle(group).opacity === '1')}))
   .filter(chart => chart.title.includes(' vs. ') && chart.markers.length);
 """
 
@@ -150,7 +152,7 @@ class Browser:
                 raise TimeoutError(f"the page never showed {missing!r}; it shows: {body[:800]!r}")
             time.sleep(0.5)
 
-    def element(self, xpath: str) -> dict:
+    def element_by_xpath(self, xpath: str) -> dict:
         """The first element matching ``xpath`` (a reference to pass to ``script`` or ``hover``)."""
         return self._session("POST", "/element", {"using": "xpath", "value": xpath})
 

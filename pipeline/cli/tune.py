@@ -53,8 +53,8 @@ def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.runner import BUDGET_KEY, load_sweep, prepare_sweep, run_sweep
     from pipeline.sweeps.spend import format_spend
     from pipeline.sweeps.importance import format_importance
+    from pipeline.sweeps.report import knobs_text
     from pipeline.sweeps.summary import SUMMARY_NAME
-    from pipeline.sweeps.trial import knobs_text
     from pipeline.tracking.connection import check_logger_can_reach
     from pipeline.tracking.ui import ui_link, ui_server, where_to_look
 

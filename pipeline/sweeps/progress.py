@@ -13,6 +13,7 @@ from typing import Any
 from ray.tune import Callback
 
 from pipeline.console import active_console
+from pipeline.sweeps.report import knobs_text
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, trial_error_text
 
@@ -60,8 +61,7 @@ class SweepTable(Callback):
             console.redraw(up + "\n".join(table) + "\n")
             self._drawn = len(table)
         else:
-            knobs = " ".join(f"{name}={_cell(line.knobs[key])}" for key, name in short_keys(line.knobs).items())
-            console.line(f"trial {line.trial_id} ({knobs}): {event}")
+            console.line(f"trial {line.trial_id} ({knobs_text(line.knobs)}): {event}")
 
     def _line(self, trial) -> TrialLine:
         if trial.trial_id not in self.trials:

@@ -103,6 +103,12 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def knobs_text(knobs: dict[str, Any]) -> str:
+    """A trial's knobs as its console lines and run name show them: ``lr_per_512=0.00655 weight_decay=0.03217``."""
+    return " ".join(f"{name}={'None' if knobs[key] is None else cell(knobs[key])}"
+                    for key, name in short_keys(knobs).items())
+
+
 def spend_column(rows: list[TrialRow]) -> str:
     """The table's column of what each trial spent, named by its unit: ``CPU_core_hours``, ``GPU_hours``."""
     units = {row.cost_unit for row in rows if row.cost_unit}

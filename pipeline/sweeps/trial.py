@@ -25,6 +25,7 @@ from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.training.runs import (CheckedRun, ModelFacts, ResolvedData, begin_attempt, build_trainer, fit_and_record,
                                     open_mlflow_run)
 from pipeline.sweeps.planning import crop_sizes, resolve_trial
+from pipeline.sweeps.report import knobs_text
 from pipeline.sweeps.tune_callback import SweepReportCallback
 from pipeline.sweeps.spaces import SearchSpace, log10_param, short_keys
 from pipeline.sweeps.tracking import PRUNED, open_child_run
@@ -50,11 +51,6 @@ class SweepPlan:
     trial_storage: str  # where each trial's Ray Train run lives (local path or URI), one dir per trial id
     source: str = "vitsweep tune"  # the sweep's command line (MLflow's Source of each trial)
     init_sources: str = ""  # where the sweep saved its trials' model sources (pipeline.trained.transfer)
-
-
-def knobs_text(knobs: dict[str, Any]) -> str:
-    """A trial's knobs as a person reads them: ``lr_per_512=0.00655 weight_decay=0.03217``."""
-    return " ".join(f"{name}={knobs[key]}" for key, name in short_keys(knobs).items())
 
 
 def trial_run_name(trial_id: str, knobs: dict[str, Any]) -> str:
