@@ -16,7 +16,7 @@ import contextlib
 import io
 import re
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -219,8 +219,8 @@ def test_the_sweeps_chart_view_opens_on_its_charts_across_and_against_the_knobs_
     assert (text.index("across the knobs") < text.index("against each knob") < text.index("per epoch")
             < text.index("Model metrics") < text.index("system/node0"))
     # a 2-trial sweep has no parallel-coordinates chart (its lines would run along its frame), and says why
-    (finetuning,) = [run for run in MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").search_runs(
-        [runs[0]], "tags.`vitsweep.role` = 'sweep'") if run.info.run_id != sweep.info.run_id]
+    (finetuning,) = MlflowClient(f"sqlite:///{store[0] / 'mlflow.db'}").search_runs(
+        [runs[0]], "tags.`vitsweep.role` = 'sweep' and attributes.run_name LIKE 'finetune_lr_layer_decay-%'")
     assert "a parallel-coordinates chart needs 3 trials or more" in finetuning.data.tags["mlflow.note.content"]
     assert "parallel-coordinates chart needs" not in sweep.data.tags["mlflow.note.content"]
 
@@ -242,7 +242,7 @@ def test_each_knobs_scatter_shows_every_trials_point_clear_of_the_charts_toolbar
             chart = wait_for(lambda: _scatter_titled(browser, title), 60, f"the {name} scatter drawn")  # noqa: B023
             browser.scroll_to(chart["plot"], below_top=100)  # the whole plot on the 800-px screen
             browser.hover(chart["plot"], ".nsewdrag")
-            chart = wait_for(lambda: _settled_with_its_toolbar(browser, title), 30, f"the {name} scatter's toolbar")  # noqa: B023
+            chart = wait_for(_settled_with_its_toolbar(browser, title), 30, f"the {name} scatter's toolbar")
             if name == CHARTED[0]:
                 browser.screenshot(screenshots / "sweep_scatter_toolbar.png")
             assert len(chart["markers"]) == len(trials), chart
@@ -264,13 +264,18 @@ def _scatter_titled(browser, title: str) -> dict | None:
     return next((chart for chart in browser.script(SCATTER_CHARTS_JS) if chart["title"] == title), None)
 
 
-def _settled_with_its_toolbar(browser, title: str) -> dict | None:
-    """The scatter titled ``title`` once its toolbar is shown and two reads 0.3 s apart agree (layout settled)."""
-    first = _scatter_titled(browser, title)
-    time.sleep(0.3)
-    second = _scatter_titled(browser, title)
-    same = first and second and all(first[key] == second[key] for key in ("area", "markers", "toolbar"))
-    return second if same and second["toolbar_shown"] else None
+def _settled_with_its_toolbar(browser, title: str) -> Callable[[], dict | None]:
+    """A condition for ``wait_for``: the scatter titled ``title`` once its toolbar is shown and two reads in a
+    row agree on every box (its layout settled, the toolbar's fade-in over)."""
+    previous: list[dict | None] = [None]
+
+    def settled() -> dict | None:
+        chart, (before,) = _scatter_titled(browser, title), previous
+        previous[0] = chart
+        same = chart and before and all(chart[key] == before[key] for key in ("area", "markers", "toolbar"))
+        return chart if same and chart["toolbar_shown"] else None
+
+    return settled
 
 
 def test_the_sweeps_summary_link_shows_its_result_on_one_page(server, store, runs, browser, screenshots):
@@ -305,7 +310,7 @@ def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_it
     assert sum(line.endswith(": started") for line in printed) == FIRST_SWEEP_TRIALS
     table_at = next(at for at, line in enumerate(printed) if re.fullmatch(r"sweep smoke_lr_wd-\d{8}-\d{6} \(finished\):", line))
     assert printed[table_at + 1].startswith(shown[1].removesuffix("…").rstrip())  # the table's head, as README cuts it
-    # the knobs ranked as README shows them: the learning rate decides a first epoch, weight decay hardly can
+    # the knobs ranked as README shows them: in one epoch the learning rate makes the difference, weight decay has no time to
     importance_head = next(line for line in shown if line.startswith("knob importance"))
     at = printed.index(importance_head)
     ranked = lambda lines, start: [line.split()[0] for line in lines[start + 1:start + 3]]  # noqa: E731
