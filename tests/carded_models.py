@@ -27,15 +27,16 @@ def carded_smoke_model(num_classes: int, seed: int) -> torch.nn.Module:
 
 
 def log_in_new_store(root: Path, model: torch.nn.Module, classes: Sequence[str]) -> tuple[str, str]:
-    """``model`` logged with the card above in a new SQLite store under ``root``: (store URI, runs:/ URI)."""
+    """``model`` logged with the card above in a new SQLite store under ``root``: (store URI, models:/ URI)."""
     uri = f"sqlite:///{root}/mlflow.db"
     return uri, log_carded(uri, root, model, classes)
 
 
 def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: Sequence[str],
-               run_tags: dict[str, str] | None = None, experiment: str = "vitsweep") -> str:
+               run_tags: dict[str, str] | None = None, experiment: str = "vitsweep", run_name: str = "carded") -> str:
     """``model`` logged with the card above in the store at ``tracking_uri`` (its weights file written in
-    ``root`` first) by training's own ``log_model``, in a new run (``run_tags``) of ``experiment``: its runs:/ URI."""
+    ``root`` first) by training's own ``log_model``, in a new run (``run_name``, ``run_tags``) of ``experiment``: its URI,
+    ``models:/<model_id>`` (MLflow 3's, which vitsweep's commands and MLflow's loaders both take)."""
     from safetensors.torch import save_model
 
     from pipeline.components.model_card import ModelCard
@@ -44,11 +45,11 @@ def log_carded(tracking_uri: str, root: Path, model: torch.nn.Module, classes: S
     from pipeline.trained.serving import log_model
 
     save_model(model, str(root / "model.safetensors"))
-    run = MlflowStore(tracking_uri).create_run(experiment, "carded", tags=run_tags)
+    run = MlflowStore(tracking_uri).create_run(experiment, run_name, tags=run_tags)
     card = ModelCard.of_run(load_config("smoke", list(CARD_OVERRIDES)), len(classes), classes)
-    log_model(run, model, [root / "model.safetensors"], card, step=1)
+    model_id = log_model(run, model, [root / "model.safetensors"], card, step=1)
     run.end("FINISHED", "completed")
-    return f"runs:/{run.run_id}/model"
+    return f"models:/{model_id}"
 
 
 def card_logits(model: torch.nn.Module, images: np.ndarray) -> torch.Tensor:

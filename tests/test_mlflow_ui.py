@@ -138,6 +138,17 @@ def test_the_logged_models_page_lists_its_evaluation_on_its_dataset(
     assert f"val_top1\n{data_name} (#" in text and f"\n{evaluated.info.run_name}\n{value}\n" in text
 
 
+def test_the_models_tab_names_each_model_after_its_run_a_trials_after_its_trial_and_sweep(server, runs, browser,
+                                                                                          screenshots):
+    experiment, demo, sweep, trials = runs
+    names = [demo.info.run_name, *(f"{run.data.tags['trial_id']} of {sweep.info.run_name}" for run in trials)]
+    browser.open(f"{server}/#/experiments/{experiment}/models?workflowType=machine_learning")
+    browser.wait_for_text("Logged from", *names)
+    with browser.sized(1280, 800):
+        browser.screenshot(screenshots / "models_tab.png")
+    assert "\nmodel\n" not in browser.facts()["text"]  # no model goes by MLflow's example name
+
+
 def test_the_link_register_prints_opens_the_versions_page_in_the_model_training_view(
         server, evaluated, browser, screenshots):
     _, printed = evaluated

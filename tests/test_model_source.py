@@ -108,14 +108,14 @@ def trained(single_process_group, tmp_path_factory) -> TrainedRun:
     save_final_weights(engine, directory, rank=0, ema=ema)
     log_final_model(run, Result(metrics={"epoch": 2}, checkpoint=Checkpoint.from_directory(directory), error=None,
                                 path=str(run.run_dir)), tracking)
+    logged = tracking.get()
+    model_id = logged.outputs.model_outputs[0].model_id
     with pytest.MonkeyPatch.context() as patch:  # MLflow's registry finds the logged model through the global URI
         patch.setenv("MLFLOW_TRACKING_URI", uri)
-        version = mlflow.register_model(f"runs:/{tracking.run_id}/model", REGISTERED)
+        version = mlflow.register_model(f"models:/{model_id}", REGISTERED)
     MlflowClient(uri).set_registered_model_alias(REGISTERED, "champion", version.version)
-    logged = tracking.get()
-    return TrainedRun(storage, run.run_dir, uri, tracking.run_id, logged.info.experiment_id,
-                      logged.outputs.model_outputs[0].model_id, run.card, run.run_dir / "checkpoint_epoch1", directory,
-                      weights)
+    return TrainedRun(storage, run.run_dir, uri, tracking.run_id, logged.info.experiment_id, model_id, run.card,
+                      run.run_dir / "checkpoint_epoch1", directory, weights)
 
 
 def resolve(trained: TrainedRun, given: str, ema: bool = False):
@@ -270,9 +270,10 @@ def test_a_torch_state_dict_gives_its_weights_or_its_ema(trained, tmp_path):
     assert_same_weights(resolve(trained, str(path), ema=True).weights, trained.weights["final_ema"])
 
 
-def test_a_runs_uri_gives_the_logged_models_weights_card_and_lineage(trained, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["model", "tiny"])  # the run's own model, as MLflow names it (after the run)
+def test_a_runs_uri_gives_the_logged_models_weights_card_and_lineage(trained, tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
-    source = resolve(trained, f"runs:/{trained.run_id}/model")
+    source = resolve(trained, f"runs:/{trained.run_id}/{name}")
     assert list(tmp_path.iterdir()) == []  # downloaded into a temporary directory, removed; no store created here
     assert_same_weights(source.weights, trained.weights["final"])
     assert source.card == trained.card
@@ -280,6 +281,15 @@ def test_a_runs_uri_gives_the_logged_models_weights_card_and_lineage(trained, tm
     assert provenance.kind == "mlflow_run" and provenance.location.endswith(f"/extra_files/{WEIGHTS_FILE}")
     assert (provenance.tracking_uri, provenance.experiment_id, provenance.run_id, provenance.model_id) == (
         trained.uri, trained.experiment_id, trained.run_id, trained.model_id)
+
+
+def test_a_logged_models_uri_gives_its_weights_card_and_lineage(trained):
+    source = resolve(trained, f"models:/{trained.model_id}", ema=True)
+    assert_same_weights(source.weights, trained.weights["final_ema"])
+    assert source.card == trained.card
+    provenance = source.provenance
+    assert (provenance.kind, provenance.run_id, provenance.model_id, provenance.registered_name) == (
+        "logged_model", trained.run_id, trained.model_id, None)
 
 
 def test_a_registered_version_gives_its_logged_model(trained):
@@ -310,12 +320,12 @@ def test_an_alias_on_the_older_of_two_versions_gives_that_versions_weights_not_t
             parameter.add_(1.0)
     save_model(model, str(tmp_path / WEIGHTS_FILE))
     other = MlflowStore(trained.uri).create_run("vitsweep", "other-weights")
-    log_model(other, model, [tmp_path / WEIGHTS_FILE], trained.card, step=1)
+    other_model_id = log_model(other, model, [tmp_path / WEIGHTS_FILE], trained.card, step=1)
     other.end("FINISHED", "completed")
     with pytest.MonkeyPatch.context() as patch:  # MLflow's registry finds the logged model through the global URI
         patch.setenv("MLFLOW_TRACKING_URI", trained.uri)
-        first = mlflow.register_model(f"runs:/{trained.run_id}/model", "two-versions").version
-        mlflow.register_model(f"runs:/{other.run_id}/model", "two-versions")
+        first = mlflow.register_model(f"models:/{trained.model_id}", "two-versions").version
+        mlflow.register_model(f"models:/{other_model_id}", "two-versions")
     MlflowClient(trained.uri).set_registered_model_alias("two-versions", "older", first)
     source = resolve(trained, "models:/two-versions@older")
     assert (source.provenance.registered_version, source.provenance.run_id) == ("1", trained.run_id)
@@ -338,7 +348,7 @@ def test_a_source_builds_its_model_as_the_logged_pytorch_model_predicts(trained,
     images = torch.randn(2, 3, 16, 16)
     built = resolve(trained, f"models:/{REGISTERED}@champion").build()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", trained.uri)  # not mlflow.set_tracking_uri: it would leak
-    logged = mlflow.pytorch.load_model(f"runs:/{trained.run_id}/model")
+    logged = mlflow.pytorch.load_model(f"models:/{trained.model_id}")
     with torch.no_grad():
         torch.testing.assert_close(built(images), logged.eval()(images))
 
@@ -402,6 +412,7 @@ def test_a_state_dict_without_ema_weights_refuses_ema(trained, tmp_path):
 
 @pytest.mark.parametrize("given, reason", [
     ("runs:/0123456789abcdef/model", "Run with id=0123456789abcdef not found"),
+    ("models:/m-0123456789abcdef", "m-0123456789abcdef"),
     ("models:/no-such-model/1", "name=no-such-model, version=1"),
     (f"models:/{REGISTERED}/7", f"name={REGISTERED}, version=7"),
     (f"models:/{REGISTERED}@no-such-alias", "alias no-such-alias not found"),
@@ -410,6 +421,12 @@ def test_an_mlflow_uri_that_does_not_resolve_is_named_with_the_store(trained, gi
     with pytest.raises(InvalidInputError) as err:
         resolve(trained, given)
     assert f"{given!r} does not resolve in MLflow store {trained.uri}" in str(err.value) and reason in str(err.value)
+
+
+def test_a_runs_uri_naming_no_model_of_the_run_lists_the_runs_models(trained):
+    with pytest.raises(InvalidInputError, match=re.escape(f"run {trained.run_id} logged no model named 'e2e' "
+                                                          "(its models: tiny)")):
+        resolve(trained, f"runs:/{trained.run_id}/e2e")
 
 
 def test_a_local_mlflow_store_that_does_not_exist_is_refused_not_created(tmp_path):
@@ -438,6 +455,7 @@ SOURCE_FORMS = {  # the form as given (built from the trained run), and the weig
     "safetensors": (lambda t: str(t.final / WEIGHTS_FILE), "final"),
     "state_dict": (lambda t: str(t.final / "timm_style.pth"), "final"),
     "mlflow_run": (lambda t: f"runs:/{t.run_id}/model", "final"),
+    "logged_model": (lambda t: f"models:/{t.model_id}", "final"),
     "registered_version": (lambda t: f"models:/{REGISTERED}/1", "final"),
     "registered_alias": (lambda t: f"models:/{REGISTERED}@champion", "final"),
 }

@@ -88,7 +88,7 @@ def test_the_logged_model_has_an_image_signature_an_input_example_and_pinned_req
     assert info.flavors["python_function"]["loader_module"] == "pipeline.trained.serving"
     example = mlflow.pyfunc.load_model(model_uri).input_example
     assert Image.open(io.BytesIO(example["image"][0])).size == (16, 16)  # the model's own input size
-    local = Path(mlflow.artifacts.download_artifacts(f"{model_uri}/requirements.txt", dst_path=str(tmp_path)))
+    local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path))) / "requirements.txt"
     assert local.read_text().split() == pip_requirements()
 
 
@@ -126,7 +126,26 @@ def test_a_logged_model_is_logged_from_its_runs_vitsweep_command_not_from_the_pr
     uri, command = f"sqlite:///{tmp_path}/mlflow.db", "vitsweep tune --space lr_wd --config smoke"
     logged = log_carded(uri, tmp_path, carded_smoke_model(10, seed=0), [str(digit) for digit in range(10)],
                         run_origin("a trial", command))
-    client = mlflow.MlflowClient(uri)
-    (output,) = client.get_run(logged.split("/")[1]).outputs.model_outputs
-    tags = client.get_logged_model(output.model_id).tags
+    tags = mlflow.MlflowClient(uri).get_logged_model(logged.removeprefix("models:/")).tags
     assert (tags["mlflow.source.name"], tags["mlflow.source.type"]) == (command, "LOCAL")
+
+
+def test_a_logged_model_is_named_after_its_run_a_trials_after_its_trial_and_sweep(tmp_path, monkeypatch):
+    """The Models tab lists a store's models by name. MLflow refuses a "." in one (a trial's run name holds
+    its knobs' values); ``runs:/RUN_ID/NAME`` resolves by that name in MLflow, ``runs:/RUN_ID/model`` in vitsweep."""
+    uri, classes, model = f"sqlite:///{tmp_path}/mlflow.db", [str(digit) for digit in range(10)], carded_smoke_model(10, 0)
+    logged = {
+        "warmup0.5": log_carded(uri, tmp_path, model, classes, run_name="warmup0.5"),
+        "a1b2c_00003 lr=0.01": log_carded(uri, tmp_path, model, classes, run_name="a1b2c_00003 lr=0.01",
+                                          run_tags={"sweep": "lr_wd-20261207-120000", "trial_id": "a1b2c_00003"}),
+    }
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # MLflow's loaders read the store from it
+    client = mlflow.MlflowClient(uri)
+    models = {run_name: client.get_logged_model(uri_.removeprefix("models:/")) for run_name, uri_ in logged.items()}
+    assert {run_name: m.name for run_name, m in models.items()} == {
+        "warmup0.5": "warmup0_5", "a1b2c_00003 lr=0.01": "a1b2c_00003 of lr_wd-20261207-120000"}
+    for found in models.values():
+        assert mlflow.models.get_model_info(f"runs:/{found.source_run_id}/{found.name}").model_uuid == \
+            mlflow.models.get_model_info(f"models:/{found.model_id}").model_uuid
+        source = resolve_model_source(f"runs:/{found.source_run_id}/model", storage_path=tmp_path, tracking_uri=uri)
+        assert source.provenance.model_id == found.model_id

@@ -288,12 +288,15 @@ def test_mlflow_run_holds_the_artifacts_and_a_logged_model(two_epoch_run):
     assert len(run.outputs.model_outputs) == 1  # MLflow 3 keeps logged models beside the artifacts
 
 
-def test_the_logged_model_is_the_trained_one_it_scores_the_runs_final_val_top1(two_epoch_run, monkeypatch, tmp_path):
-    storage, _ = two_epoch_run
-    _, run = _only_run(storage)
+def test_the_printed_model_is_the_runs_named_after_it_and_it_scores_the_runs_final_val_top1(
+        two_epoch_run, monkeypatch, tmp_path):
+    storage, result = two_epoch_run
+    client, run = _only_run(storage)
+    (printed,) = re.findall(r"^  its MLflow model: models:/(m-\w+) \(", result.stdout, re.M)
+    assert printed == run.outputs.model_outputs[0].model_id and client.get_logged_model(printed).name == "e2e"
     # Not mlflow.set_tracking_uri: it would export the URI to every later test's subprocesses.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{storage}/mlflow.db")
-    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    model = mlflow.pytorch.load_model(f"models:/{printed}")
     assert model(torch.zeros(3, 3, 16, 16)).shape == (3, 10)
     (tmp_path / "config.yaml").write_text(MlflowRun(f"sqlite:///{storage}/mlflow.db", run.info.run_id).read_artifact("config.yaml"))
     cfg = load_config(str(tmp_path / "config.yaml"))

@@ -285,15 +285,16 @@ def test_each_child_carries_a_training_runs_record_and_its_trial_id(asha_sweep):
         assert steps == list(range(1, len(steps) + 1)) and steps, trial_id  # epochs count from 1
 
 
-def test_trials_that_train_every_epoch_finish_with_their_final_model(asha_sweep):
-    client, _, children = _runs(asha_sweep.storage)
-    completed = [r for r in children.values() if r.data.tags["stop_reason"] == "completed"]
-    assert sorted(_lr(r) for r in completed) == [1e-3, 2e-3]
-    for run in completed:
+def test_trials_that_train_every_epoch_finish_with_their_final_model_named_by_trial_and_sweep(asha_sweep):
+    client, (parent,), children = _runs(asha_sweep.storage)
+    completed = {trial_id: r for trial_id, r in children.items() if r.data.tags["stop_reason"] == "completed"}
+    assert sorted(_lr(r) for r in completed.values()) == [1e-3, 2e-3]
+    for trial_id, run in completed.items():
         assert run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")] == [1, 2]
         assert "model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id)}
-        assert len(run.outputs.model_outputs) == 1
+        (output,) = run.outputs.model_outputs
+        assert client.get_logged_model(output.model_id).name == f"{trial_id} of {parent.info.run_name}"
 
 
 def test_parent_records_space_searcher_scheduler_and_best_trial(asha_sweep):

@@ -26,8 +26,8 @@ def add_source_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", metavar="SOURCE",
         help="a trained model: a run's name (under run.storage_path) or directory, a checkpoint directory, a "
-             ".safetensors file, runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS (in the config's "
-             "MLflow store: tracking.mlflow_uri, MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db)",
+             ".safetensors file, runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or models:/NAME@ALIAS "
+             "(in the config's MLflow store: tracking.mlflow_uri, MLFLOW_TRACKING_URI, or run.storage_path/mlflow.db)",
     )
 
 

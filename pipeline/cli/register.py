@@ -17,8 +17,8 @@ def add_parser(commands) -> None:
     )
     parser.add_argument(
         "source", metavar="SOURCE",
-        help="a run's name (under run.storage_path) or directory, runs:/RUN_ID/model, models:/NAME/VERSION or "
-             "models:/NAME@ALIAS, or a sweep's name (under tune.storage_path, else run.storage_path) or directory",
+        help="a run's name (under run.storage_path) or directory, runs:/RUN_ID/model, models:/MODEL_ID, "
+             "models:/NAME/VERSION or models:/NAME@ALIAS, or a sweep's name (under tune.storage_path, else run.storage_path) or directory",
     )
     parser.add_argument("name", metavar="NAME", help="the registered model's name")
     add_alias_argument(parser)

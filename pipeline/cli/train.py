@@ -35,6 +35,8 @@ def _run(args: argparse.Namespace) -> int:
             f"val_top5 {metrics.get('val_top5', float('nan')):.2f}%\n"
             f"  checkpoints and Ray results: {outcome.run_dir}\n"
             f"  MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}\n"
+            f"  its MLflow model: models:/{outcome.model_id} "
+            "(for mlflow.pytorch.load_model, mlflow models serve -m and vitsweep evaluate)\n"
             + where_to_look(outcome.tracking_uri, outcome.experiment_id, outcome.mlflow_run_id)
         )
     return 0

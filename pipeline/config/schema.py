@@ -31,7 +31,8 @@ class ModelConfig(Section):
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
     # Trained weights to start from (``pipeline.trained.transfer``), any model source: a run's name under
     # run.storage_path or its directory, a checkpoint directory, a .safetensors or torch state dict file,
-    # runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS. null: random initialisation.
+    # runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or models:/NAME@ALIAS. null: random
+    # initialisation.
     init_from: str | None = Field(None, min_length=1)
     init_ema: bool = False  # start from the source's EMA weights
     # fnmatch globs of weights left at their fresh initialisation on purpose (e.g. "head.*": a new head
@@ -461,8 +462,8 @@ class DistillConfig(Section):
     teacher_args: dict[str, Any] = Field(default_factory=dict)  # its constructor overrides
     teacher_checkpoint: str | None = None  # its weights: .safetensors or a torch state dict
     # Or the teacher as a trained model, any model source (a run's name or directory, a checkpoint directory,
-    # runs:/RUN_ID/model, models:/NAME/VERSION or @ALIAS, a downloaded MLflow model): its card names the
-    # architecture and the normalisation it was trained with (pipeline.trained.teacher).
+    # runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or @ALIAS, a downloaded MLflow model): its card
+    # names the architecture and the normalisation it was trained with (pipeline.trained.teacher).
     teacher_from: str | None = Field(None, min_length=1)
     teacher_ema: bool = False  # teacher_from's EMA weights (as model.init_ema)
     kind: Literal["hard", "soft"] = "hard"  # DeiT's --distillation-type

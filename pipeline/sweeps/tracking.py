@@ -18,12 +18,10 @@ from typing import Any
 from mlflow.entities import Run
 from ray.tune import Callback
 
-from pipeline.tracking.store import DIVERGED_TAG, STOP_REASON_TAG, MlflowRun, MlflowStore
+from pipeline.tracking.store import DIVERGED_TAG, STOP_REASON_TAG, SWEEP_TAG, TRIAL_TAG, MlflowRun, MlflowStore
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "vitsweep.role"
-SWEEP_TAG = "sweep"
-TRIAL_TAG = "trial_id"
 KNOBS_TAG = "knobs"
 EPOCHS_DONE = "epochs_done"  # what a trial reports to Tune each epoch (1-based); ASHA's time attribute
 

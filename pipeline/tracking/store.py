@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import sys
 import tempfile
 import time
@@ -28,7 +29,11 @@ from pipeline.config.schema import ExperimentConfig
 from pipeline.report_keys import DIVERGED_KEY, INITIAL_PREFIX
 from pipeline.tracking.connection import local_artifact_root, open_client
 
-LOGGED_MODEL_NAME = "model"  # each run's MLflow model: runs:/<run_id>/model
+# What vitsweep named every run's logged model before naming each after its run (``logged_model_name``); in
+# ``runs:/<run_id>/model`` it still names the run's own model to vitsweep's commands (``run_model_id``).
+FORMER_MODEL_NAME = "model"
+MODEL_NAME_FORBIDDEN = re.compile(r"[/:.%\"']")  # the characters MLflow 3.17 refuses in a logged model's name
+SWEEP_TAG, TRIAL_TAG = "sweep", "trial_id"  # a sweep trial's run: its sweep's name and Tune's trial id
 LOGGED_MODEL_FILES = "extra_files"  # where mlflow.pytorch keeps a logged model's extra files (its weights)
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
 DIVERGED_TAG = DIVERGED_KEY  # the MLflow tag saying where the loss diverged
@@ -64,6 +69,24 @@ def update_run_record(run_dir: Path, **entries: str) -> None:
     record = {**(read_run_record(run_dir) or {}), **entries}
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomically(run_dir / RUN_RECORD, json.dumps(record) + "\n")
+
+
+def logged_model_name(run: Run) -> str:
+    """The name the run's logged model goes by in the Models tab (and in ``runs:/<run_id>/<name>``): the
+    run's name, a sweep trial's id and sweep (``afe7d_00005 of smoke_lr_wd-20261207-154841``: its run name
+    holds the knobs' values, whose decimal points MLflow refuses in a model's name), each character MLflow
+    refuses made ``_``."""
+    tags = run.data.tags
+    name = f"{tags[TRIAL_TAG]} of {tags[SWEEP_TAG]}" if TRIAL_TAG in tags and SWEEP_TAG in tags else run.info.run_name
+    return MODEL_NAME_FORBIDDEN.sub("_", name)
+
+
+def run_model_id(client: MlflowClient, run: Run) -> str | None:
+    """The id of the model ``run`` logged as its own (named after it, or ``FORMER_MODEL_NAME`` by an older
+    vitsweep), or None: a run that has not finished logged none."""
+    names = {logged_model_name(run), FORMER_MODEL_NAME}
+    outputs = run.outputs.model_outputs if run.outputs else []
+    return next((output.model_id for output in outputs if client.get_logged_model(output.model_id).name in names), None)
 
 
 def dataset_reference(location: str, sha256: str) -> tuple[str, str]:

@@ -287,7 +287,7 @@ def source_label(source: ModelSource, tracking_uri: str) -> str:
     p = source.provenance
     if p.kind == "registered_model":
         return f"{p.registered_name}@{p.registered_alias}" if p.registered_alias else f"{p.registered_name}/{p.registered_version}"
-    if p.kind == "mlflow_run" and p.run_id:
+    if p.kind in ("mlflow_run", "logged_model") and p.run_id:
         return MlflowRun(tracking_uri, p.run_id).get().info.run_name or p.run_id
     if p.kind == "checkpoint_dir":
         return f"{Path(p.location).parent.name}/{Path(p.location).name}"

@@ -13,9 +13,11 @@ shown with the ``kind`` it resolves as and the weights read:
   run's saved ``model.init_from`` or teacher, ``pipeline.trained.transfer.save_source``); ``state_dict``:
   any other file, a torch state dict (bare, or under timm's ``state_dict`` / ``model``; EMA:
   ``state_dict_ema`` / ``model_ema``) loaded with ``torch.load(weights_only=True)``.
-- ``mlflow_run``: ``runs:/<run_id>/model``, and ``registered_model``: ``models:/<name>/<version>``
-  or ``models:/<name>@<alias>``, in the given MLflow store: the weights files logged with the
-  MLflow model (``extra_files/``), and the card in its metadata.
+- ``mlflow_run``: ``runs:/<run_id>/<name>`` (a logged model's name; ``model``: the run's own, whatever its
+  name), ``logged_model``: ``models:/<model_id>`` (MLflow 3's URI of a logged model, which training
+  prints), and ``registered_model``: ``models:/<name>/<version>`` or ``models:/<name>@<alias>``, in the
+  given MLflow store: the weights files logged with the MLflow model (``extra_files/``), and the card in
+  its metadata.
 - ``mlflow_model_dir``: such an MLflow model downloaded (a directory with its ``MLmodel``): the same
   files, read in place (``read_logged_model_directory``; the model's pyfunc loads itself this way).
 
@@ -48,13 +50,14 @@ from pipeline.console import library_prints
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import MLFLOW_METADATA_KEY, SAFETENSORS_CARD_KEY, ModelCard
 from pipeline.components.modeling import build_model, checked_model
-from pipeline.tracking.store import LOGGED_MODEL_FILES, RUN_RECORD, read_run_record
+from pipeline.tracking.store import FORMER_MODEL_NAME, LOGGED_MODEL_FILES, RUN_RECORD, read_run_record, run_model_id
 from pipeline.tracking.connection import is_local_store, open_client, require_reachable
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
-                     "registered_model", "mlflow_model_dir"]
+                     "logged_model", "registered_model", "mlflow_model_dir"]
 FORMS = ("a run name or directory, a checkpoint directory, a .safetensors or torch state dict file, "
-         "runs:/RUN_ID/model, models:/NAME/VERSION or models:/NAME@ALIAS, or a downloaded MLflow model directory")
+         "runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or models:/NAME@ALIAS, or a downloaded "
+         "MLflow model directory")
 MLMODEL_FILE = "MLmodel"  # an MLflow model directory's description (flavors, metadata)
 _MLFLOW_SCHEMES = ("runs:/", "models:/")
 # Where torch training scripts keep a model's weights in a checkpoint dict (timm's names), EMA's first.
@@ -293,8 +296,11 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
     client = _open_store(given, tracking_uri)
     registered: dict[str, str] = {}
     try:
-        if given.startswith("runs:/"):
+        kind = _mlflow_kind(given)
+        if kind == "mlflow_run":
             run_id, model_id = _logged_model_of_run(given, client)
+        elif kind == "logged_model":
+            run_id, model_id = None, given.removeprefix("models:/")
         else:
             version, registered = _registered_version(given, client)
             run_id, model_id = version.run_id, _logged_model_of_version(given, version)
@@ -313,7 +319,7 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
     with tempfile.TemporaryDirectory(prefix="vitsweep-source-") as directory:
         weights = _read_safetensors(given, _download(given, location, directory, tracking_uri))[0]
         card = _logged_card(given, _download(given, f"{artifacts}/MLmodel", directory, tracking_uri))
-    provenance = Provenance(given, "mlflow_run" if given.startswith("runs:/") else "registered_model", location, ema,
+    provenance = Provenance(given, kind, location, ema,
                             tracking_uri=tracking_uri, experiment_id=logged.experiment_id,
                             run_id=logged.source_run_id or run_id, model_id=model_id, **registered)
     return ModelSource(weights, card, provenance)
@@ -331,18 +337,29 @@ def _open_store(given: str, tracking_uri: str):
     return open_client(tracking_uri)
 
 
+def _mlflow_kind(given: str) -> SourceKind:
+    """Which MLflow URI ``given`` is: a run's model, a logged model's id (one word), or a registry version."""
+    if given.startswith("runs:/"):
+        return "mlflow_run"
+    reference = given.removeprefix("models:/")
+    return "registered_model" if "/" in reference or "@" in reference else "logged_model"
+
+
 def _logged_model_of_run(given: str, client) -> tuple[str, str]:
-    """``runs:/<run_id>/<name>``: the model named ``name`` that the run logged (as MLflow 3 resolves it)."""
+    """``runs:/<run_id>/<name>``: the model named ``name`` that the run logged (as MLflow 3 resolves it), and
+    ``runs:/<run_id>/model`` the run's own, as vitsweep named every run's model before naming it after the run."""
     run_id, _, name = given.removeprefix("runs:/").partition("/")
     if not run_id or not name or "/" in name:
-        raise InvalidInputError(f"model source {given!r}: a run's model is runs:/RUN_ID/NAME (vitsweep logs "
-                                "runs:/RUN_ID/model)")
-    outputs = client.get_run(run_id).outputs.model_outputs
-    logged = {model.name: model.model_id for model in (client.get_logged_model(o.model_id) for o in outputs)}
-    if name not in logged:
+        raise InvalidInputError(f"model source {given!r}: a run's model is runs:/RUN_ID/model (or "
+                                "runs:/RUN_ID/NAME, NAME its logged model's name)")
+    run = client.get_run(run_id)
+    logged = {model.name: model.model_id
+              for model in (client.get_logged_model(o.model_id) for o in run.outputs.model_outputs)}
+    model_id = logged.get(name) or (run_model_id(client, run) if name == FORMER_MODEL_NAME else None)
+    if model_id is None:
         raise InvalidInputError(f"model source {given!r}: run {run_id} logged no model named {name!r} "
                                 f"(its models: {', '.join(sorted(logged)) or 'none'})")
-    return run_id, logged[name]
+    return run_id, model_id
 
 
 def _registered_version(given: str, client):

@@ -21,7 +21,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved, _validate_model_name
 
 from pipeline.errors import InvalidInputError
-from pipeline.tracking.store import LOGGED_MODEL_NAME, MlflowRun
+from pipeline.tracking.store import SWEEP_TAG, TRIAL_TAG, MlflowRun, run_model_id
 from pipeline.tracking.connection import fluent_tracking_uri
 
 REPORTED_METRICS = ("val_top1", "val_top5", "val_loss", "val_top1_ema", "val_top5_ema", "val_loss_ema", "train_loss",
@@ -105,10 +105,8 @@ def _list_on_logged_model(client, model_id: str, name: str, version: int | str) 
 
 
 def _logged_model(client, run) -> str:
-    outputs = run.outputs.model_outputs if run.outputs else []
-    for output in outputs:
-        if client.get_logged_model(output.model_id).name == LOGGED_MODEL_NAME:
-            return output.model_id
+    if model_id := run_model_id(client, run):
+        return model_id
     raise InvalidInputError(f"run {run.info.run_name!r} ({run.info.run_id}, {run.info.status}) logged no model: "
                             "only a run that finished (FINISHED, its final model logged) can be registered")
 
@@ -119,8 +117,8 @@ def describe_version(run) -> str:
     metrics = run.data.metrics
     shown = ", ".join(f"{key} {metrics[key]:.4g}" for key in REPORTED_METRICS if key in metrics)
     origin = f"run '{run.info.run_name}' ({run.info.run_id})"
-    if run.data.tags.get("trial_id"):
-        origin += f", trial {run.data.tags['trial_id']} of sweep '{run.data.tags.get('sweep', '?')}'"
+    if run.data.tags.get(TRIAL_TAG):
+        origin += f", trial {run.data.tags[TRIAL_TAG]} of sweep '{run.data.tags.get(SWEEP_TAG, '?')}'"
     parts = (_plain(run.data.tags.get("mlflow.note.content", "")), f"Final: {shown}." if shown else "", f"From {origin}.")
     return " ".join(part for part in parts if part)
 
@@ -142,7 +140,7 @@ def version_tags(run) -> dict[str, str]:
     for key, value in run.data.params.items():  # the model's arguments are logged one param each, model.args.<name>
         if key in ("model.name", "model.img_size") or key.startswith("model.args."):
             tags[key] = value
-    for key in ("knobs", "sweep", "trial_id"):
+    for key in ("knobs", SWEEP_TAG, TRIAL_TAG):
         if key in run.data.tags:
             tags[key] = run.data.tags[key]
     tags["run_name"] = run.info.run_name

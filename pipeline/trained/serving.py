@@ -43,7 +43,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.trained.model_source import MLMODEL_FILE, read_logged_model_directory
 from pipeline.trained.prediction import DEFAULT_TOPK, ImageClassifier
 from pipeline.tracking.connection import fluent_tracking_uri
-from pipeline.tracking.store import LOGGED_MODEL_NAME, MlflowRun
+from pipeline.tracking.store import MlflowRun, logged_model_name
 
 INPUT_COLUMN = "image"
 TOPK_PARAM = "topk"
@@ -78,20 +78,23 @@ def log_model(mlflow_run: MlflowRun, model, weights: list[Path], card: ModelCard
     restores the module) and an image-classifying ``python_function`` flavor (``mlflow models serve``),
     carrying the same weights files (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``),
     so that a ``runs:/`` or ``models:/`` URI is a complete model source (``pipeline.trained.model_source``);
-    linked to the metrics of epoch ``step`` (the last: MLflow's default would be step 0's). Returns the
-    logged model's id."""
+    named after the run (``logged_model_name``: the Models tab lists a sweep's models by trial), linked to
+    the metrics of epoch ``step`` (the last: MLflow's default would be step 0's). Returns the logged
+    model's id (``models:/<model_id>`` is MLflow 3's own URI of it)."""
     for path in weights:
         mlflow_run.log_artifact(path)
     # The UI's "Logged from": the run's own source (the vitsweep command), not this process's script (a
     # sweep trial logs its model from Ray's default_worker.py).
-    run_tags = mlflow_run.get().data.tags
+    recorded = mlflow_run.get()
+    run_tags = recorded.data.tags
     source = {key: run_tags[key] for key in (MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE) if key in run_tags}
     # The run active (not only named): MLflow files the logged model under the active run's experiment.
     with fluent_tracking_uri(mlflow_run.uri), mlflow.start_run(run_id=mlflow_run.run_id), library_prints():
         # pt2 (MLflow 3's default) traces a fixed batch size; the pickled module serves any batch.
-        logged = Model.log(None, flavor=sys.modules[__name__], name=LOGGED_MODEL_NAME, flavor_name="pytorch",
-                           step=step, metadata={MLFLOW_METADATA_KEY: card.as_dict()}, pytorch_model=model.eval(),
-                           weights=weights, card=card, serialization_format="pickle", tags=source)
+        logged = Model.log(None, flavor=sys.modules[__name__], name=logged_model_name(recorded),
+                           flavor_name="pytorch", step=step, metadata={MLFLOW_METADATA_KEY: card.as_dict()},
+                           pytorch_model=model.eval(), weights=weights, card=card, serialization_format="pickle",
+                           tags=source)
     return logged.model_id
 
 
