@@ -312,7 +312,8 @@ return {text: document.body.innerText, images: [...document.images].map(image =>
 """
 
 
-def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_its_runs(first_sweep, readme_finetuning):
+def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_its_runs(first_sweep, readme_finetuning,
+                                                                                       runs):
     shown = readme_output("## A first sweep")
     printed = first_sweep.stdout.splitlines()
     for started in (line for line in printed if line.endswith(": started")):  # each trial started, trained, ended
@@ -326,8 +327,10 @@ def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_it
     at = printed.index(importance_head)
     ranked = lambda lines, start: [line.split()[0] for line in lines[start + 1:start + 3]]  # noqa: E731
     assert ranked(printed, at) == ranked(shown, shown.index(importance_head)) == ["lr_per_512", "weight_decay"]
-    assert re.search(r"^best trial \w+: val_top1 [\d.]+  lr_per_512=[\d.e-]+ weight_decay=[\d.e-]+$",
-                     first_sweep.stdout, re.M)
+    best = re.search(r"^best trial (\w+): val_top1 [\d.]+  lr_per_512=[\d.e-]+ weight_decay=[\d.e-]+\n"
+                     r"  its MLflow model: models:/(m-\w+)$", first_sweep.stdout, re.M)
+    (best_run,) = [run for run in runs[3] if run.data.tags["trial_id"] == best.group(1)]
+    assert best_run.outputs.model_outputs[0].model_id == best.group(2)
     assert re.search(r"then open: http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?viewStateShareKey="
                      r"vitsweep-smoke_lr_wd-\d{8}-\d{6}&workflowType=machine_learning$", first_sweep.stdout, re.M)
     storage, _ = readme_finetuning

@@ -56,6 +56,7 @@ def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.report import knobs_text
     from pipeline.sweeps.summary import SUMMARY_NAME
     from pipeline.tracking.connection import check_logger_can_reach
+    from pipeline.tracking.store import MlflowRun
     from pipeline.tracking.ui import ui_link, ui_server, where_to_look
 
     if args.alias and not args.register:
@@ -80,7 +81,8 @@ def _sweep(args: argparse.Namespace, console) -> int:
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
         console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
-                     f"{knobs_text(outcome.best.knobs)}")
+                     f"{knobs_text(outcome.best.knobs)}\n"
+                     f"  its MLflow model: models:/{MlflowRun(outcome.tracking_uri, outcome.best.run_id).model_id()}")
     console.line(f"  sweep directory: {outcome.directory}\n"
                  f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
                  + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view)

@@ -172,6 +172,10 @@ class MlflowRun:
     def tags(self) -> dict[str, str]:
         return self.get().data.tags
 
+    def model_id(self) -> str | None:
+        """Its own logged model's id (``models:/<model_id>``), once it finished; else None."""
+        return run_model_id(self.client, self.get())
+
     def metric_history(self, key: str) -> list[Metric]:
         return self.client.get_metric_history(self.run_id, key)
 

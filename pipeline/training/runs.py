@@ -56,8 +56,7 @@ from pipeline.components.modeling import build_model, checked_model, checked_tra
 from pipeline.training.cost import ACCELERATOR_HOURS, UNIT_TAG, RunCost, cost_unit
 from pipeline.training.epoch_logger import MLflowEpochLogger
 from pipeline.training.nccl_hangs import detect_nccl_hangs
-from pipeline.tracking.store import (MlflowRun, MlflowStore, command_line, read_run_record, run_model_id, run_origin,
-                                     update_run_record)
+from pipeline.tracking.store import MlflowRun, MlflowStore, command_line, read_run_record, run_origin, update_run_record
 from pipeline.tracking.connection import (check_logger_can_reach, is_new_local_store, require_reachable,
                                           resolve_tracking_uri)
 from pipeline.trained.transfer import PLAN_ARTIFACT, InitialWeights, resolve_initial_weights
@@ -548,6 +547,5 @@ def launch(run: CheckedRun, mlflow_run: MlflowRun, launched_at: float) -> Traini
     """Train a checked run whose MLflow run is open: build the trainer, fit, record."""
     cost = begin_attempt(run, mlflow_run)
     result = fit_and_record(build_trainer(run, mlflow_run, launched_at, cost), run, mlflow_run, cost)
-    recorded = mlflow_run.get()
-    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, recorded.info.experiment_id,
-                           mlflow_run.run_id, dict(result.metrics), run_model_id(mlflow_run.client, recorded))
+    return TrainingOutcome(run.run_name, run.run_dir, run.tracking_uri, mlflow_run.get().info.experiment_id,
+                           mlflow_run.run_id, dict(result.metrics), mlflow_run.model_id())
