@@ -143,7 +143,8 @@ def test_the_models_tab_names_each_model_after_its_run_a_trials_after_its_trial_
     experiment, demo, sweep, trials = runs
     names = [demo.info.run_name, *(f"{run.data.tags['trial_id']} of {sweep.info.run_name}" for run in trials)]
     browser.open(f"{server}/#/experiments/{experiment}/models?workflowType=machine_learning")
-    browser.wait_for_text("Logged from", *names)
+    # "Logged from": the command as run, the demo's paths included (a LOCAL source would show its last part only)
+    browser.wait_for_text("Logged from", *names, demo.data.tags["mlflow.source.name"])
     with browser.sized(1280, 800):
         browser.screenshot(screenshots / "models_tab.png")
     assert "\nmodel\n" not in browser.facts()["text"]  # no model goes by MLflow's example name

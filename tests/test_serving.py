@@ -127,7 +127,7 @@ def test_a_logged_model_is_logged_from_its_runs_vitsweep_command_not_from_the_pr
     logged = log_carded(uri, tmp_path, carded_smoke_model(10, seed=0), [str(digit) for digit in range(10)],
                         run_origin("a trial", command))
     tags = mlflow.MlflowClient(uri).get_logged_model(logged.removeprefix("models:/")).tags
-    assert (tags["mlflow.source.name"], tags["mlflow.source.type"]) == (command, "LOCAL")
+    assert (tags["mlflow.source.name"], tags["mlflow.source.type"]) == (command, "JOB")
 
 
 def test_a_logged_model_is_named_after_its_run_a_trials_after_its_trial_and_sweep(tmp_path, monkeypatch):

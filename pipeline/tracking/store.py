@@ -51,9 +51,13 @@ def command_line() -> str:
 
 
 def run_origin(description: str, source: str) -> dict[str, str]:
-    """Tags the UI shows as the run's Description, Created by and Source."""
+    """Tags the UI shows as the run's Description, Created by and Source (its model's "Logged from").
+
+    The source is a JOB, which MLflow 3.17's UI shows as written: a LOCAL source it shows as a file path's
+    last part, so a command with a path in it would read from its last "/" (``x.yaml --set ...`` for
+    ``vitsweep train --config configs/x.yaml --set ...``)."""
     return {"mlflow.note.content": description, "mlflow.user": getpass.getuser(), "mlflow.source.name": source,
-            "mlflow.source.type": "LOCAL"}
+            "mlflow.source.type": "JOB"}
 
 
 def read_run_record(run_dir: Path) -> dict[str, str] | None:
