@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from carded_models import carded_smoke_model, log_carded
 from cluster_nodes import (CLUSTER, FROM_STORE, KUBERAY, LAUNCHERS, ROOT, SUBMITTER_TOKEN_KEY, Container,
@@ -141,7 +142,8 @@ def services(digits16, tmp_path_factory):
                                                     f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
                                                     str(root / "artifacts")) as mlflow_uri:
         logged = log_carded(mlflow_uri, root, carded_smoke_model(10, seed=0), [str(digit) for digit in range(10)])
-        register_run(mlflow_uri, logged.split("/")[1], *REGISTERED.removeprefix("models:/").split("@"))  # as `register`
+        model = MlflowClient(mlflow_uri).get_logged_model(logged.removeprefix("models:/"))
+        register_run(mlflow_uri, model.source_run_id, *REGISTERED.removeprefix("models:/").split("@"))  # as `register`
         yield Services({"VITSWEEP_DATA_URI": server.url("imagenet_train.beton").rsplit("/", 1)[0]}, mlflow_uri)
 
 

@@ -270,7 +270,8 @@ def test_a_torch_state_dict_gives_its_weights_or_its_ema(trained, tmp_path):
     assert_same_weights(resolve(trained, str(path), ema=True).weights, trained.weights["final_ema"])
 
 
-@pytest.mark.parametrize("name", ["model", "tiny"])  # the run's own model, as MLflow names it (after the run)
+# the run's own model: vitsweep's shorthand, and its name in MLflow (the run's)
+@pytest.mark.parametrize("name", ["model", "tiny"])
 def test_a_runs_uri_gives_the_logged_models_weights_card_and_lineage(trained, tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     source = resolve(trained, f"runs:/{trained.run_id}/{name}")
@@ -412,7 +413,8 @@ def test_a_state_dict_without_ema_weights_refuses_ema(trained, tmp_path):
 
 @pytest.mark.parametrize("given, reason", [
     ("runs:/0123456789abcdef/model", "Run with id=0123456789abcdef not found"),
-    ("models:/m-0123456789abcdef", "m-0123456789abcdef"),
+    ("models:/m-0123456789abcdef", "Logged model with ID 'm-0123456789abcdef' not found"),
+    ("models:/digits-classifier", "(a registered model is models:/NAME/VERSION or models:/NAME@ALIAS)"),
     ("models:/no-such-model/1", "name=no-such-model, version=1"),
     (f"models:/{REGISTERED}/7", f"name={REGISTERED}, version=7"),
     (f"models:/{REGISTERED}@no-such-alias", "alias no-such-alias not found"),

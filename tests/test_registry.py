@@ -109,6 +109,31 @@ def test_a_second_run_becomes_the_next_version_and_takes_the_alias(tmp_path, tra
     assert [(entry["name"], str(entry["version"])) for entry in listed] == [("family", "1"), ("sibling", "1")]
 
 
+def test_a_models_uri_registers_that_model_of_its_run_not_the_runs_own(tmp_path, trained_weights, capsys):
+    store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("two-models",))
+    (first,) = MlflowRun(store, run_id).get().outputs.model_outputs
+    model, weights, card = trained_weights
+    second = log_model(MlflowRun(store, run_id), model, [weights], card, step=2)  # the run's own now
+    assert _register(store, f"models:/{first.model_id}", "older") == 0
+    assert _register(store, f"runs:/{run_id}/model", "newer") == 0
+    assert [(v.name, v.source) for v in _versions(store, "older") + _versions(store, "newer")] == [
+        ("older", f"models:/{first.model_id}"), ("newer", f"models:/{second}")]
+
+
+def test_a_run_whose_model_an_older_vitsweep_named_model_registers_it(tmp_path, trained_weights):
+    """Before each model was named after its run (and pointed at by the run's vitsweep.model_id tag), every
+    run's model was named "model": such a run's model is still the run's own, for `register` and runs:/ID/model."""
+    import mlflow
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    run = MlflowStore(store).create_run("vitsweep", "older")
+    with fluent_tracking_uri(store), mlflow.start_run(run_id=run.run_id):
+        logged = mlflow.pytorch.log_model(trained_weights[0], name="model", serialization_format="pickle",
+                                          pip_requirements=["torch"])
+    run.end("FINISHED", "completed")
+    assert register_run(store, run.run_id, "older").model_id == logged.model_id
+
+
 def test_a_run_registered_twice_outside_vitsweep_stands_for_its_first_version(tmp_path, trained_weights):
     store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("twice",))
     first = register_run(store, run_id, "family")

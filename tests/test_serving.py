@@ -147,5 +147,6 @@ def test_a_logged_model_is_named_after_its_run_a_trials_after_its_trial_and_swee
     for found in models.values():
         assert mlflow.models.get_model_info(f"runs:/{found.source_run_id}/{found.name}").model_uuid == \
             mlflow.models.get_model_info(f"models:/{found.model_id}").model_uuid
+        client.set_tag(found.source_run_id, "mlflow.runName", "renamed in the UI")  # still the run's own model
         source = resolve_model_source(f"runs:/{found.source_run_id}/model", storage_path=tmp_path, tracking_uri=uri)
         assert source.provenance.model_id == found.model_id

@@ -18,7 +18,8 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "source", metavar="SOURCE",
         help="a run's name (under run.storage_path) or directory, runs:/RUN_ID/model, models:/MODEL_ID, "
-             "models:/NAME/VERSION or models:/NAME@ALIAS, or a sweep's name (under tune.storage_path, else run.storage_path) or directory",
+             "models:/NAME/VERSION or models:/NAME@ALIAS, or a sweep's name (under tune.storage_path, else "
+             "run.storage_path) or directory",
     )
     parser.add_argument("name", metavar="NAME", help="the registered model's name")
     add_alias_argument(parser)
@@ -45,8 +46,9 @@ def announce(registration) -> str:
             + where_to_look_at_version(registration.tracking_uri, registration.name, registration.version))
 
 
-def registered_run(given: str, cfg) -> tuple[str, str]:
-    """(tracking URI, run id) of what SOURCE names: a sweep's best trial, else a model source's MLflow run."""
+def registered_run(given: str, cfg) -> tuple[str, str, str | None]:
+    """(tracking URI, run id, logged model id) of what SOURCE names: a sweep's best trial (its run's own
+    model: None), else a model source's MLflow run and model."""
     from pipeline.errors import InvalidInputError
     from pipeline.sweeps.best_trial import best_trial, sweep_directory
     from pipeline.trained.model_source import resolve_model_source
@@ -54,7 +56,7 @@ def registered_run(given: str, cfg) -> tuple[str, str]:
 
     sweep = sweep_directory(given, cfg)
     if sweep is not None:
-        return best_trial(given, sweep)
+        return *best_trial(given, sweep), None
     provenance = resolve_model_source(given, storage_path=cfg.run.storage_path,
                                       tracking_uri=resolve_tracking_uri(cfg)).provenance
     if not (provenance.run_id and provenance.tracking_uri):
@@ -62,7 +64,7 @@ def registered_run(given: str, cfg) -> tuple[str, str]:
             f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
             "registered; give its run (name or directory) or runs:/RUN_ID/model"
         )
-    return provenance.tracking_uri, provenance.run_id
+    return provenance.tracking_uri, provenance.run_id, provenance.model_id
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,5 +76,6 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the resolver's downloads
     check_registry_names(args.name, args.alias)
     cfg = load_config(args.config, args.overrides).with_absolute_paths()
-    print(announce(register_run(*registered_run(args.source, cfg), args.name, args.alias)))
+    tracking_uri, run_id, model_id = registered_run(args.source, cfg)
+    print(announce(register_run(tracking_uri, run_id, args.name, args.alias, model_id)))
     return 0

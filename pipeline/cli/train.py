@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
         from pipeline.training.driver import train_from_config
 
         outcome = train_from_config(args.config, args.overrides, args.address, launched_at)
-        from pipeline.tracking.ui import where_to_look
+        from pipeline.tracking.ui import model_line, where_to_look
 
         metrics = outcome.metrics
         console.line(
@@ -35,8 +35,7 @@ def _run(args: argparse.Namespace) -> int:
             f"val_top5 {metrics.get('val_top5', float('nan')):.2f}%\n"
             f"  checkpoints and Ray results: {outcome.run_dir}\n"
             f"  MLflow run {outcome.mlflow_run_id} in {outcome.tracking_uri}\n"
-            f"  its MLflow model: models:/{outcome.model_id} "
-            "(for mlflow.pytorch.load_model, mlflow models serve -m and vitsweep evaluate)\n"
+            + (f"{model_line(outcome.model_id)}\n" if outcome.model_id else "")
             + where_to_look(outcome.tracking_uri, outcome.experiment_id, outcome.mlflow_run_id)
         )
     return 0

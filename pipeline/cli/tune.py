@@ -57,7 +57,7 @@ def _sweep(args: argparse.Namespace, console) -> int:
     from pipeline.sweeps.summary import SUMMARY_NAME
     from pipeline.tracking.connection import check_logger_can_reach
     from pipeline.tracking.store import MlflowRun
-    from pipeline.tracking.ui import ui_link, ui_server, where_to_look
+    from pipeline.tracking.ui import model_line, ui_link, ui_server, where_to_look
 
     if args.alias and not args.register:
         raise InvalidInputError(f"--alias {args.alias} names an alias of the model --register NAME registers; give both")
@@ -80,9 +80,9 @@ def _sweep(args: argparse.Namespace, console) -> int:
                  f"{format_importance(outcome.knob_importance)}\n\n{format_spend(outcome.spend, sweep.cfg.tune.metric)}")
     if outcome.best is not None:
         metric = sweep.cfg.tune.metric
+        model_id = MlflowRun(outcome.tracking_uri, outcome.best.run_id).model_id()
         console.line(f"\nbest trial {outcome.best.trial_id}: {metric} {outcome.best.value(metric):.4g}  "
-                     f"{knobs_text(outcome.best.knobs)}\n"
-                     f"  its MLflow model: models:/{MlflowRun(outcome.tracking_uri, outcome.best.run_id).model_id()}")
+                     f"{knobs_text(outcome.best.knobs)}" + (f"\n{model_line(model_id)}" if model_id else ""))
     console.line(f"  sweep directory: {outcome.directory}\n"
                  f"  MLflow parent run {outcome.parent_run_id} in {outcome.tracking_uri}\n"
                  + where_to_look(outcome.tracking_uri, outcome.experiment_id, view=outcome.view)

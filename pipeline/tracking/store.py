@@ -32,7 +32,9 @@ from pipeline.tracking.connection import local_artifact_root, open_client
 # What vitsweep named every run's logged model before naming each after its run (``logged_model_name``); in
 # ``runs:/<run_id>/model`` it still names the run's own model to vitsweep's commands (``run_model_id``).
 FORMER_MODEL_NAME = "model"
-MODEL_NAME_FORBIDDEN = re.compile(r"[/:.%\"']")  # the characters MLflow 3.17 refuses in a logged model's name
+MODEL_ID_TAG = "vitsweep.model_id"  # the run's own logged model (its name follows the run's, which the UI can change)
+# What MLflow 3.17 refuses in a logged model's name (/ : . % " '), and what would cut it short in a runs:/ URI (# ?).
+MODEL_NAME_FORBIDDEN = re.compile(r"[/:.%\"'#?]")
 SWEEP_TAG, TRIAL_TAG = "sweep", "trial_id"  # a sweep trial's run: its sweep's name and Tune's trial id
 LOGGED_MODEL_FILES = "extra_files"  # where mlflow.pytorch keeps a logged model's extra files (its weights)
 RUN_RECORD = "mlflow_run.json"  # beside Ray's files in the run directory: a restarted run continues its MLflow run
@@ -78,19 +80,22 @@ def update_run_record(run_dir: Path, **entries: str) -> None:
 def logged_model_name(run: Run) -> str:
     """The name the run's logged model goes by in the Models tab (and in ``runs:/<run_id>/<name>``): the
     run's name, a sweep trial's id and sweep (``afe7d_00005 of smoke_lr_wd-20261207-154841``: its run name
-    holds the knobs' values, whose decimal points MLflow refuses in a model's name), each character MLflow
-    refuses made ``_``."""
+    holds the knobs' values, whose decimal points MLflow refuses in a model's name), each character of
+    ``MODEL_NAME_FORBIDDEN`` made ``_``."""
     tags = run.data.tags
-    name = f"{tags[TRIAL_TAG]} of {tags[SWEEP_TAG]}" if TRIAL_TAG in tags and SWEEP_TAG in tags else run.info.run_name
+    name = (f"{tags[TRIAL_TAG]} of {tags[SWEEP_TAG]}" if TRIAL_TAG in tags and SWEEP_TAG in tags
+            else run.info.run_name or run.info.run_id)
     return MODEL_NAME_FORBIDDEN.sub("_", name)
 
 
 def run_model_id(client: MlflowClient, run: Run) -> str | None:
-    """The id of the model ``run`` logged as its own (named after it, or ``FORMER_MODEL_NAME`` by an older
-    vitsweep), or None: a run that has not finished logged none."""
-    names = {logged_model_name(run), FORMER_MODEL_NAME}
+    """The id of the model ``run`` logged as its own (``MODEL_ID_TAG``; from an older vitsweep, its model
+    named ``FORMER_MODEL_NAME``), or None: a run that has not finished logged none."""
+    if MODEL_ID_TAG in run.data.tags:
+        return run.data.tags[MODEL_ID_TAG]
     outputs = run.outputs.model_outputs if run.outputs else []
-    return next((output.model_id for output in outputs if client.get_logged_model(output.model_id).name in names), None)
+    return next((output.model_id for output in outputs
+                 if client.get_logged_model(output.model_id).name == FORMER_MODEL_NAME), None)
 
 
 def dataset_reference(location: str, sha256: str) -> tuple[str, str]:

@@ -52,6 +52,11 @@ def where_to_look(uri: str, experiment_id: str, run_id: str | None = None, view:
     return _see_it(uri, ui_link(ui_server(uri), experiment_id, run_id, view))
 
 
+def model_line(model_id: str) -> str:
+    """The console's line naming a run's logged model by its URI (MLflow 3's, which vitsweep's commands take too)."""
+    return f"  its MLflow model: models:/{model_id} (a model source for vitsweep's commands and MLflow's loaders)"
+
+
 def where_to_look_at_version(uri: str, name: str, version: str) -> str:
     """The console's lines saying where a registered model version is in the MLflow UI."""
     return _see_it(uri, ui_version_link(ui_server(uri), name, version))

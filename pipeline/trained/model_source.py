@@ -74,7 +74,7 @@ class Provenance:
     ``run_id``: the MLflow store, experiment and run that trained it (for a run or checkpoint: from
     the run directory's ``mlflow_run.json``). ``model_id``: its MLflow 3 logged model (``m-...``).
     ``registered_name`` / ``registered_version`` / ``registered_alias``: the model registry entry a
-    ``models:/`` source named (the version is resolved for an alias too).
+    ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` source named (the version is resolved for an alias too).
     """
 
     given: str
@@ -295,8 +295,8 @@ def _cpu_fp32(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
     client = _open_store(given, tracking_uri)
     registered: dict[str, str] = {}
+    kind = _mlflow_kind(given)
     try:
-        kind = _mlflow_kind(given)
         if kind == "mlflow_run":
             run_id, model_id = _logged_model_of_run(given, client)
         elif kind == "logged_model":
@@ -307,8 +307,10 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
         logged = client.get_logged_model(model_id)
         files = {Path(info.path).name for info in client.list_logged_model_artifacts(model_id, LOGGED_MODEL_FILES)}
     except MlflowException as err:
+        # one word after models:/ is a logged model's id to MLflow 3, which a registered model's name alone reads as
+        hint = " (a registered model is models:/NAME/VERSION or models:/NAME@ALIAS)" if kind == "logged_model" else ""
         raise InvalidInputError(f"model source {given!r} does not resolve in MLflow store {tracking_uri}: "
-                                f"{err.message}") from None
+                                f"{err.message}{hint}") from None
     wanted = EMA_WEIGHTS_FILE if ema else WEIGHTS_FILE
     if wanted not in files:
         reason = ("holds no EMA weights: its run trained without optim.ema_decay" if ema and WEIGHTS_FILE in files

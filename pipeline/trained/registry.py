@@ -67,15 +67,17 @@ def check_registry_names(name: str, alias: str | None) -> None:
                                 f"version {alias}); give it a word, e.g. 'best' or 'champion'")
 
 
-def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = None) -> Registration:
-    """The run's logged model as a version of ``name`` (the run's existing version of it, if any), and
-    ``alias`` pointing at that version."""
+def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = None,
+                 model_id: str | None = None) -> Registration:
+    """The run's logged model (``model_id``, else its own) as a version of ``name`` (the run's existing
+    version of it, if any), and ``alias`` pointing at that version."""
     check_registry_names(name, alias)
     run = MlflowRun(tracking_uri, run_id)
     client = run.client
     found = run.get()
-    model_id = _logged_model(client, found)
-    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    model_id = model_id or _logged_model(client, found)
+    existing = [version for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+                if version.source == f"models:/{model_id}"]  # not a version of another model of the run
     if existing:
         version, created = min(existing, key=lambda v: int(v.version)), False
     else:

@@ -43,7 +43,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.trained.model_source import MLMODEL_FILE, read_logged_model_directory
 from pipeline.trained.prediction import DEFAULT_TOPK, ImageClassifier
 from pipeline.tracking.connection import fluent_tracking_uri
-from pipeline.tracking.store import MlflowRun, logged_model_name
+from pipeline.tracking.store import MODEL_ID_TAG, MlflowRun, logged_model_name
 
 INPUT_COLUMN = "image"
 TOPK_PARAM = "topk"
@@ -79,8 +79,9 @@ def log_model(mlflow_run: MlflowRun, model, weights: list[Path], card: ModelCard
     carrying the same weights files (``extra_files/``) and its card (MLmodel ``metadata["vitsweep"]``),
     so that a ``runs:/`` or ``models:/`` URI is a complete model source (``pipeline.trained.model_source``);
     named after the run (``logged_model_name``: the Models tab lists a sweep's models by trial), linked to
-    the metrics of epoch ``step`` (the last: MLflow's default would be step 0's). Returns the logged
-    model's id (``models:/<model_id>`` is MLflow 3's own URI of it)."""
+    the metrics of epoch ``step`` (the last: MLflow's default would be step 0's), and the run's tag
+    ``MODEL_ID_TAG`` pointing at it. Returns the logged model's id (``models:/<model_id>`` is MLflow 3's
+    URI of it)."""
     for path in weights:
         mlflow_run.log_artifact(path)
     # The UI's "Logged from": the run's own source (the vitsweep command), not this process's script (a
@@ -95,6 +96,7 @@ def log_model(mlflow_run: MlflowRun, model, weights: list[Path], card: ModelCard
                            flavor_name="pytorch", step=step, metadata={MLFLOW_METADATA_KEY: card.as_dict()},
                            pytorch_model=model.eval(), weights=weights, card=card, serialization_format="pickle",
                            tags=source)
+    mlflow_run.set_tags({MODEL_ID_TAG: logged.model_id})
     return logged.model_id
 
 

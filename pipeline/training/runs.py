@@ -145,7 +145,7 @@ class TrainingOutcome:
     experiment_id: str
     mlflow_run_id: str
     metrics: dict[str, Any]
-    model_id: str  # its logged model's: models:/<model_id>
+    model_id: str | None  # its logged model's (models:/<model_id>)
 
 
 def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
