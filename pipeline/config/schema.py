@@ -31,8 +31,7 @@ class ModelConfig(Section):
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
     # Trained weights to start from (``pipeline.trained.transfer``), any model source: a run's name under
     # run.storage_path or its directory, a checkpoint directory, a .safetensors or torch state dict file,
-    # runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or models:/NAME@ALIAS. null: random
-    # initialisation.
+    # runs:/RUN_ID/model, models:/MODEL_ID, models:/NAME/VERSION or models:/NAME@ALIAS. null: random init.
     init_from: str | None = Field(None, min_length=1)
     init_ema: bool = False  # start from the source's EMA weights
     # fnmatch globs of weights left at their fresh initialisation on purpose (e.g. "head.*": a new head
