@@ -328,7 +328,7 @@ def test_the_readmes_first_sweep_prints_what_the_readme_shows_and_writes_only_it
     ranked = lambda lines, start: [line.split()[0] for line in lines[start + 1:start + 3]]  # noqa: E731
     assert ranked(printed, at) == ranked(shown, shown.index(importance_head)) == ["lr_per_512", "weight_decay"]
     best = re.search(r"^best trial (\w+): val_top1 [\d.]+  lr_per_512=[\d.e-]+ weight_decay=[\d.e-]+\n"
-                     r"  its MLflow model: models:/(m-\w+)$", first_sweep.stdout, re.M)
+                     r"  its MLflow model: models:/(m-\w+) \(", first_sweep.stdout, re.M)
     (best_run,) = [run for run in runs[3] if run.data.tags["trial_id"] == best.group(1)]
     assert best_run.outputs.model_outputs[0].model_id == best.group(2)
     assert re.search(r"then open: http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?viewStateShareKey="
