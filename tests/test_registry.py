@@ -109,7 +109,7 @@ def test_a_second_run_becomes_the_next_version_and_takes_the_alias(tmp_path, tra
     assert [(entry["name"], str(entry["version"])) for entry in listed] == [("family", "1"), ("sibling", "1")]
 
 
-def test_a_models_uri_registers_that_model_of_its_run_not_the_runs_own(tmp_path, trained_weights, capsys):
+def test_a_models_uri_registers_that_model_of_its_run_not_the_runs_own(tmp_path, trained_weights):
     store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("two-models",))
     (first,) = MlflowRun(store, run_id).get().outputs.model_outputs
     model, weights, card = trained_weights
