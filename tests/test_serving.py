@@ -4,6 +4,7 @@ still gives the module. The model is logged by training's own `pipeline.trained.
 store (untrained weights: what is served is checked against the same weights, not an accuracy).
 The HTTP server (`mlflow models serve`) is exercised in tests/test_after_training.py."""
 import io
+import json
 from pathlib import Path
 
 import mlflow
@@ -17,6 +18,7 @@ from mlflow.exceptions import MlflowException
 from PIL import Image
 
 from carded_models import card_probabilities, carded_smoke_model, log_carded, log_in_new_store
+from pipeline.cli import EXIT_INVALID_INPUT, main
 from pipeline.trained.model_source import resolve_model_source
 from pipeline.trained.prediction import ImageClassifier
 from pipeline.trained.serving import pip_requirements
@@ -150,3 +152,24 @@ def test_a_logged_model_is_named_after_its_run_a_trials_after_its_trial_and_swee
         client.set_tag(found.source_run_id, "mlflow.runName", "renamed in the UI")  # still the run's own model
         source = resolve_model_source(f"runs:/{found.source_run_id}/model", storage_path=tmp_path, tracking_uri=uri)
         assert source.provenance.model_id == found.model_id
+
+
+def test_a_model_with_fewer_than_five_classes_gives_all_of_them_by_default(tmp_path, monkeypatch, capsys):
+    """As timm's inference.py caps its top-k at the class count, the default 5 is 3 for a 3-class model: in
+    the served pyfunc (the signature's default, which MLflow passes when a request gives none) and in
+    `vitsweep predict`; a top-k given beyond the class count is still refused."""
+    classes = ("cat", "dog", "bird")
+    model = carded_smoke_model(len(classes), seed=4)
+    uri, model_uri = log_in_new_store(tmp_path, model, classes)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    ranked = card_probabilities(model, IMAGES[0][None])[0].argsort(descending=True).tolist()
+    assert [(p.name, p.default) for p in mlflow.models.get_model_info(model_uri).signature.params] == [("topk", 3)]
+    served = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}))
+    assert list(served.loc[0, "classes"]) == ranked and list(served.loc[0, "labels"]) == [classes[i] for i in ranked]
+    Image.fromarray(IMAGES[0]).save(tmp_path / "photo.png")
+    assert main(["predict", model_uri, str(tmp_path / "photo.png"), "--json", "--set", f"tracking.mlflow_uri={uri}"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["classes"] == ranked
+    assert main(["predict", model_uri, str(tmp_path / "photo.png"), "--topk", "5",
+                 "--set", f"tracking.mlflow_uri={uri}"]) == EXIT_INVALID_INPUT
+    assert "top-k 5: the model has 3 classes; give 1..3" in capsys.readouterr().err

@@ -8,8 +8,6 @@ import sys
 
 from pipeline.cli.config import add_config_arguments, add_source_argument
 
-DEFAULT_TOPK = 5
-
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
@@ -22,8 +20,9 @@ def add_parser(commands) -> None:
     add_source_argument(parser)
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR",
                         help="image files, and directories whose image files (by suffix, recursively) to classify")
-    parser.add_argument("--topk", type=int, default=DEFAULT_TOPK, metavar="K",
-                        help=f"how many classes per image, most probable first (default {DEFAULT_TOPK})")
+    parser.add_argument("--topk", type=int, metavar="K",
+                        help="how many classes per image, most probable first (default 5, or every class of a "
+                             "model with fewer)")
     parser.add_argument("--json", action="store_true",
                         help="one JSON list: {image, labels, probabilities, classes} per classified image")
     add_config_arguments(parser)
@@ -44,9 +43,9 @@ def _run(args: argparse.Namespace) -> int:
         source = resolve_model_source(args.source, storage_path=cfg.run.storage_path,
                                       tracking_uri=resolve_tracking_uri(cfg))
         classifier = ImageClassifier.of(source, source.require_card().eval_preprocessing(cfg.data))
-        classifier.check_topk(args.topk)
+        topk = classifier.check_topk(args.topk)
         found = []
-        for path, outcome in classify_files(classifier, files, args.topk):
+        for path, outcome in classify_files(classifier, files, topk):
             if isinstance(outcome, UnreadableImageError):
                 print(f"vitsweep predict: {outcome}; skipped", file=sys.stderr)
             elif args.json:

@@ -22,7 +22,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import EvalPreprocessing, ModelCard
 from pipeline.trained.model_source import ModelSource
 
-DEFAULT_TOPK = 5
+DEFAULT_TOPK = 5  # at most: a model with fewer classes gives them all (as timm's inference.py caps it)
 BATCH_SIZE = 64  # images per forward pass
 
 
@@ -56,14 +56,21 @@ class ImageClassifier:
             preprocessing = source.card.preprocessing
         return cls(model, source.card, preprocessing)
 
-    def check_topk(self, topk: int) -> int:
+    @property
+    def default_topk(self) -> int:
+        return min(DEFAULT_TOPK, self.card.num_classes)
+
+    def check_topk(self, topk: int | None) -> int:
+        """``topk`` if the model has that many classes (``None``: ``default_topk``)."""
+        if topk is None:
+            return self.default_topk
         if not 1 <= topk <= self.card.num_classes:
             raise InvalidInputError(f"top-k {topk}: the model has {self.card.num_classes} classes; give 1.."
                                     f"{self.card.num_classes}")
         return topk
 
-    def classify(self, images: Sequence[np.ndarray], topk: int = DEFAULT_TOPK) -> list[Prediction]:
-        """The ``topk`` most probable classes of each HxWx3 uint8 RGB image."""
+    def classify(self, images: Sequence[np.ndarray], topk: int | None = None) -> list[Prediction]:
+        """The ``topk`` (``None``: ``default_topk``) most probable classes of each HxWx3 uint8 RGB image."""
         topk = self.check_topk(topk)
         found = []
         p = self.preprocessing
@@ -102,10 +109,10 @@ def image_files(inputs: Sequence[str]) -> list[Path]:
     return files
 
 
-def classify_files(classifier: ImageClassifier, files: Sequence[Path], topk: int
+def classify_files(classifier: ImageClassifier, files: Sequence[Path], topk: int | None = None
                    ) -> Iterator[tuple[Path, Prediction | UnreadableImageError]]:
     """Each file with its prediction, or the error that names why it is not a readable image."""
-    classifier.check_topk(topk)
+    topk = classifier.check_topk(topk)
     for start in range(0, len(files), BATCH_SIZE):
         chunk, readable = files[start:start + BATCH_SIZE], {}
         outcomes: dict[Path, Prediction | UnreadableImageError] = {}

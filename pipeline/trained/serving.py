@@ -11,8 +11,9 @@ model directory offers both:
   model carries (``extra_files/``, MLmodel metadata; nothing unpickled). Its input is a column
   ``image`` of encoded image bytes (PNG, JPEG, ...; base64 in a JSON request) or, from Python, uint8
   arrays HxWx3; its output, per image, the ``labels``, ``probabilities`` and ``classes`` of the
-  ``topk`` (a param, default 5) most probable classes, preprocessed as the model's validation was
-  (``pipeline.trained.prediction.ImageClassifier``, the same code as ``vitsweep predict``).
+  ``topk`` (a param, default 5, or every class of a model with fewer) most probable classes,
+  preprocessed as the model's validation was (``pipeline.trained.prediction.ImageClassifier``, the
+  same code as ``vitsweep predict``).
 
 The logged model records a signature and an input example (a blank image at the model's size).
 Its ``requirements.txt`` pins the packages the pyfunc imports (explicit: MLflow's inference of them
@@ -51,12 +52,13 @@ TOPK_PARAM = "topk"
 SERVING_DISTRIBUTIONS = ("mlflow", "torch", "timm", "safetensors", "numpy", "pandas", "pillow", "pydantic", "ffcv")
 
 
-def signature() -> ModelSignature:
+def signature(card: ModelCard) -> ModelSignature:
+    """Encoded images in, top-K classes out; ``topk`` defaults to 5, or every class of a model with fewer."""
     return ModelSignature(
         inputs=Schema([ColSpec(DataType.binary, INPUT_COLUMN)]),
         outputs=Schema([ColSpec(Array(DataType.string), "labels"), ColSpec(Array(DataType.double), "probabilities"),
                         ColSpec(Array(DataType.long), "classes")]),
-        params=ParamSchema([ParamSpec(TOPK_PARAM, DataType.long, DEFAULT_TOPK)]),
+        params=ParamSchema([ParamSpec(TOPK_PARAM, DataType.long, min(DEFAULT_TOPK, card.num_classes))]),
     )
 
 
@@ -111,7 +113,7 @@ def save_model(pytorch_model, path: str, mlflow_model: Model, weights: list[Path
     mlflow.pytorch.save_model(
         pytorch_model, path, mlflow_model=mlflow_model, serialization_format=serialization_format,
         extra_files=[str(file) for file in weights], pip_requirements=pip_requirements(),
-        signature=signature(), input_example=input_example(card),
+        signature=signature(card), input_example=input_example(card),
     )
     pyfunc.add_to_model(mlflow_model, loader_module=__name__, conda_env=_CONDA_ENV_FILE_NAME,
                         python_env=_PYTHON_ENV_FILE_NAME)
@@ -130,7 +132,8 @@ class ImagePyfunc:
         self.classifier = classifier
 
     def predict(self, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        topk = int((params or {}).get(TOPK_PARAM, DEFAULT_TOPK))
+        topk = (params or {}).get(TOPK_PARAM)
+        topk = None if topk is None else int(topk)
         try:
             images = [_image(value, f"row {row}") for row, value in enumerate(model_input[INPUT_COLUMN])]
             predictions = self.classifier.classify(images, topk)
