@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from carded_models import card_probabilities, carded_smoke_model, log_in_new_store
+from carded_models import CARD_CROP, card_probabilities, carded_smoke_model, log_in_new_store
 from conftest import DIGITS
 from pipeline.cli import EXIT_FAILURE, EXIT_INVALID_INPUT, main
 from pipeline.components.model_card import EvalPreprocessing, ModelCard
@@ -66,6 +66,19 @@ def test_an_unreadable_file_is_named_and_skipped_and_the_rest_classified(logged_
     captured = capsys.readouterr()
     assert [entry["image"] for entry in json.loads(captured.out)] == [str(images / "a.png")]
     assert f"'{images / 'README.txt'}' is not a readable image" in captured.err and "skipped" in captured.err
+
+
+def test_an_image_too_small_for_its_center_crop_is_named_and_skipped_and_the_rest_classified(images, tmp_path,
+                                                                                              capsys):
+    uri, model_uri = log_in_new_store(tmp_path, carded_smoke_model(len(DIGITS), seed=1), DIGITS)
+    assert int(CARD_CROP * 1) == 0  # ffcv's crop side of a 1-px-wide image at the card's ratio: under a pixel
+    Image.fromarray(np.zeros((40, 1, 3), np.uint8)).save(tmp_path / "sliver.png")
+    assert main(["predict", model_uri, str(tmp_path / "sliver.png"), str(images / "a.png"), "--json",
+                 "--set", f"tracking.mlflow_uri={uri}"]) == 0
+    captured = capsys.readouterr()
+    assert [entry["image"] for entry in json.loads(captured.out)] == [str(images / "a.png")]
+    assert (f"'{tmp_path / 'sliver.png'}' is 1x40 px: too small for a center crop at ratio {CARD_CROP}; skipped"
+            in captured.err)
 
 
 def test_no_readable_image_at_all_exits_1(logged_run, images, capsys):

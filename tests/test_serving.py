@@ -115,6 +115,14 @@ def test_an_unreadable_image_in_a_request_is_the_callers_error_naming_its_row(in
     assert err.value.error_code == "INVALID_PARAMETER_VALUE" and "row 1 is not a readable image" in err.value.message
 
 
+def test_an_image_too_small_for_its_center_crop_is_the_callers_error_naming_its_row(in_store):
+    with pytest.raises(MlflowException) as err:  # the card's crop ratio 0.5 of a 1-px side: under a pixel
+        mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0]),
+                                                                             _png(np.zeros((9, 1, 3), np.uint8))]}))
+    assert err.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert "row 1 is 1x9 px: too small for a center crop at ratio 0.5" in err.value.message
+
+
 def test_more_classes_than_the_model_has_are_refused(in_store):
     with pytest.raises(MlflowException, match="top-k 11: the model has 10 classes"):
         mlflow.pyfunc.load_model(in_store[1]).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}), params={"topk": 11})

@@ -61,12 +61,19 @@ def as_rgb_array(image: np.ndarray, name: str = "image") -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def center_crop(image: np.ndarray, img_size: int, crop_ratio: float) -> np.ndarray:
-    """ffcv's ``CenterCropRGBImageDecoder`` on a decoded image: its crop (``get_center_crop``), its resize."""
+def center_crop_side(image: np.ndarray, crop_ratio: float, name: str = "image") -> int:
+    """The side of ffcv's center crop of ``image`` (``get_center_crop``); UnreadableImageError if under a pixel."""
     height, width = image.shape[:2]
     side = int(crop_ratio * min(height, width))
     if side < 1:
-        raise UnreadableImageError(f"a {width}x{height} image has no center crop at ratio {crop_ratio}")
+        raise UnreadableImageError(f"{name} is {width}x{height} px: too small for a center crop at ratio {crop_ratio}")
+    return side
+
+
+def center_crop(image: np.ndarray, img_size: int, crop_ratio: float) -> np.ndarray:
+    """ffcv's ``CenterCropRGBImageDecoder`` on a decoded image: its crop (``get_center_crop``), its resize."""
+    height, width = image.shape[:2]
+    side = center_crop_side(image, crop_ratio)
     top, left = (height - side) // 2, (width - side) // 2
     resized = np.empty((img_size, img_size, 3), dtype=np.uint8)
     resize_crop(np.ascontiguousarray(image), top, top + side, left, left + side, resized)

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from pipeline.data.images import UnreadableImageError, read_image, to_model_input
+from pipeline.data.images import UnreadableImageError, center_crop_side, read_image, to_model_input
 from pipeline import uris
 from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import EvalPreprocessing, ModelCard
@@ -69,6 +69,11 @@ class ImageClassifier:
                                     f"{self.card.num_classes}")
         return topk
 
+    def check_size(self, image: np.ndarray, name: str) -> np.ndarray:
+        """``image`` if its center crop is at least a pixel (UnreadableImageError naming it, before any batch)."""
+        center_crop_side(image, self.preprocessing.crop_ratio, name)
+        return image
+
     def classify(self, images: Sequence[np.ndarray], topk: int | None = None) -> list[Prediction]:
         """The ``topk`` (``None``: ``default_topk``) most probable classes of each HxWx3 uint8 RGB image."""
         topk = self.check_topk(topk)
@@ -118,7 +123,7 @@ def classify_files(classifier: ImageClassifier, files: Sequence[Path], topk: int
         outcomes: dict[Path, Prediction | UnreadableImageError] = {}
         for path in chunk:
             try:
-                readable[path] = read_image(path)
+                readable[path] = classifier.check_size(read_image(path), repr(str(path)))
             except UnreadableImageError as err:
                 outcomes[path] = err
         predictions = classifier.classify(list(readable.values()), topk) if readable else []

@@ -135,7 +135,8 @@ class ImagePyfunc:
         topk = (params or {}).get(TOPK_PARAM)
         topk = None if topk is None else int(topk)
         try:
-            images = [_image(value, f"row {row}") for row, value in enumerate(model_input[INPUT_COLUMN])]
+            images = [self.classifier.check_size(_image(value, f"row {row}"), f"row {row}")
+                      for row, value in enumerate(model_input[INPUT_COLUMN])]
             predictions = self.classifier.classify(images, topk)
         except InvalidInputError as err:  # a bad image or top-k: the caller's error (HTTP 400 when served)
             raise MlflowException(str(err), error_code=INVALID_PARAMETER_VALUE) from None
