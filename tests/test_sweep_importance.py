@@ -125,6 +125,24 @@ def test_the_space_each_knob_is_integrated_over_is_the_one_it_was_searched_over(
     assert write(1e-4) in distribution.choices and write(3e-4) in distribution.choices
 
 
+def test_a_range_knob_whose_trials_ran_outside_the_searched_range_is_integrated_over_both():
+    """``derive: mgcrp_square`` sets a sampled repr size to 6 m^2 (loguniform 500..6000 gives 486 for m = 9), and
+    the 4-digit rounding of a sample may pass a bound: fANOVA's space spans the values the trials ran with."""
+    from optuna.distributions import FloatDistribution
+
+    from pipeline.sweeps.importance import _distribution
+
+    repr_size = Dimension("model.args.repr_size", "loguniform", low=500, high=6000)
+    assert _distribution(repr_size, False, [486, 1000])[0] == FloatDistribution(math.log10(486), math.log10(6000))
+    assert _distribution(WD, False, [0.05, 0.1001])[0] == FloatDistribution(0.0, 0.1001)
+    rng = random.Random(5)
+    sizes = [6 * round(math.sqrt(rng.uniform(500, 6000) / 6)) ** 2 for _ in range(15)] + [486]
+    rows = _rows([({"model.args.repr_size": size, "optim.weight_decay": rng.uniform(0.0, 0.1)},
+                   50 + 5 * math.log10(size) + rng.gauss(0, 0.1)) for size in sizes])
+    found = knob_importance(rows, "val_top1", [repr_size, WD], "random")
+    assert list(found.importances) == ["model.args.repr_size", "optim.weight_decay"]
+
+
 def test_a_random_sweep_ranks_a_log_uniform_knob_on_its_log_scale():
     """A random sweep over a log-uniform lr and a uniform weight decay, the metric linear in log10(lr)
     (what a log-uniform knob's effect usually is) and blind to the weight decay: lr carries it."""

@@ -55,12 +55,14 @@ def _configurations(rows: list[TrialRow], metric: str) -> list[tuple[dict[str, A
 
 
 def _distribution(dim: Dimension, grid: bool, values: list[Any]):
-    """The space fANOVA integrates ``dim`` over, and how a trial's value is written in it."""
+    """The space fANOVA integrates ``dim`` over, and how a trial's value is written in it. A range also
+    spans every value its trials ran with: a ``derive`` rule may have moved one out of it (``mgcrp_square``
+    rounds the repr size to its m), as may the 4-significant-digit rounding of a sample near a bound."""
     if grid or dim.kind == "values":
         return CategoricalDistribution(sorted({cell(v) for v in values})), cell
-    if dim.kind == "loguniform":
-        return FloatDistribution(math.log10(dim.low), math.log10(dim.high)), lambda v: math.log10(v)
-    return FloatDistribution(float(dim.low), float(dim.high)), float
+    write = (lambda v: math.log10(v)) if dim.kind == "loguniform" else float
+    written = [write(v) for v in values]
+    return FloatDistribution(min(write(dim.low), *written), max(write(dim.high), *written)), write
 
 
 def knob_importance(rows: list[TrialRow], metric: str, dims: tuple[Dimension, ...] | list[Dimension],
