@@ -1,13 +1,14 @@
 """How many trials a sweep runs at once (pipeline/sweeps/resources.py): a local Ray holds what it has;
 a cluster may grow, so its trials wait for nodes, announced and bounded."""
 import pickle
+import re
 import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import wait_for
+from conftest import refused_in_process, tune_command, wait_for
 from pipeline.config.loading import load_config
 from pipeline.errors import InvalidInputError
 from pipeline.sweeps.resources import (TRIAL_SLOT, ClusterDidNotGrow, ClusterGrowthDeadline, TrialResources,
@@ -40,6 +41,18 @@ def test_a_trial_that_cannot_fit_a_local_ray_is_bad_input():
     cfg = load_config("smoke", ["scaling.num_workers=4"])
     with pytest.raises(InvalidInputError, match="one trial needs 5 CPUs .* this machine's local Ray has 4 CPUs"):
         concurrent_trials(cfg, {"CPU": 4.0}, local=True)
+
+
+def test_a_sweep_whose_trial_cannot_fit_the_local_ray_is_refused_before_ray_starts(digits16, tmp_path, capsys):
+    """A local Ray is known before it starts (the CPUs vitsweep gives it, the GPUs it will see): a trial of 64
+    one-GPU workers exits 2 with no Ray process started and nothing written."""
+    storage = tmp_path / "runs"
+    err = refused_in_process(tune_command(storage, digits16, "smoke_lr_wd", "scaling.use_gpu=true",
+                                          "scaling.gpus_per_worker=1", "scaling.num_workers=64")[1:], capsys)
+    # CPUs: the trial function's 0.5 + 64 workers x 0.5; a local Ray advertises at least that many
+    assert re.search(r"one trial needs 32.5 CPUs, 64 GPUs = trial function 0.5 CPU \+ 64 workers x \(0.5 CPU, 1 GPU\), "
+                     r"but this machine's local Ray has \d+ CPUs and \d+ GPUs", err), err
+    assert not storage.exists()
 
 
 def test_more_trials_than_a_local_ray_fits_are_not_started_at_once(capsys):

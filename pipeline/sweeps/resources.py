@@ -78,6 +78,18 @@ def _has(resources: dict[str, float]) -> str:
     return f"{resources.get('CPU', 0):g} CPUs and {resources.get('GPU', 0):g} GPUs"
 
 
+def local_trials_fitting(cfg: ExperimentConfig, local: dict[str, float]) -> int:
+    """How many trials a local Ray with the ``local`` resources holds at once; InvalidInputError if not one
+    (checked before the local Ray starts too, on what it will advertise: ``local_ray_resources``)."""
+    need = TrialResources.of(cfg, local)
+    fits = need.fitting(local)
+    if fits < 1:
+        raise InvalidInputError(
+            f"one trial needs {need.describe(cfg)}, but this machine's local Ray has {_has(local)}; lower "
+            "scaling.num_workers / cpus_per_worker or tune.trial_cpus, or join a cluster with --address")
+    return fits
+
+
 def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float], local: bool,
                       ceiling: dict[str, float] | None = None) -> int:
     """How many trials run at once on a Ray that has ``cluster`` now: a ``local`` Ray, or a cluster whose
@@ -85,11 +97,7 @@ def concurrent_trials(cfg: ExperimentConfig, cluster: dict[str, float], local: b
     need = TrialResources.of(cfg, cluster)
     wanted = cfg.tune.max_concurrent_trials
     if local:
-        fits = need.fitting(cluster)
-        if fits < 1:
-            raise InvalidInputError(
-                f"one trial needs {need.describe(cfg)}, but this machine's local Ray has {_has(cluster)}; lower "
-                "scaling.num_workers / cpus_per_worker or tune.trial_cpus, or join a cluster with --address")
+        fits = local_trials_fitting(cfg, cluster)
         if wanted and wanted > fits:
             active_console().line(f"vitsweep tune: tune.max_concurrent_trials={wanted}, but this machine's local Ray "
                                   f"fits {fits} trial(s) of {need.describe(cfg)}: {fits} at a time")

@@ -29,7 +29,7 @@ from pipeline import interrupts, uris
 from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import apply_overrides, load_config, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console, counted
-from pipeline.ray_connection import ray_address, start_ray
+from pipeline.ray_connection import local_ray_resources, ray_address, start_ray
 from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.training.locations import check_can_create, run_directories
@@ -40,7 +40,7 @@ from pipeline.sweeps.planning import TrialChecker, TrialPlan, check_initial_weig
 from pipeline.sweeps.spaces import SearchSpace, SpaceError, load_spaces, short_keys, spaces_from_record
 from pipeline.sweeps.progress import SweepTable
 from pipeline.sweeps.resources import (ClusterGrowthDeadline, TrialResources, autoscaler_ceiling, concurrent_trials,
-                                       growth_notice, local_ray_cpus, start_timeout_s)
+                                       growth_notice, local_ray_cpus, local_trials_fitting, start_timeout_s)
 from pipeline.sweeps.tracking import (COMPLETED, EPOCHS_DONE, INTERRUPTED, PRUNED, TRIAL_STATES, TrialRecorder,
                                       mark_unfinished, open_parent_run)
 from pipeline.sweeps.trial import SweepPlan, run_trial
@@ -295,6 +295,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     # A pruned TPE sample, or a trial pruned as out of memory, ends without a result, which Tune's strict
     # metric check (in this driver) would turn into an experiment error; every real result carries the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    if ray_address(address) == "local":  # a trial too large for the local Ray is refused before it starts
+        local_trials_fitting(cfg, local_ray_resources(local_ray_cpus(cfg)))
     try:
         start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
     except Interrupted:
