@@ -109,6 +109,17 @@ def test_a_second_run_becomes_the_next_version_and_takes_the_alias(tmp_path, tra
     assert [(entry["name"], str(entry["version"])) for entry in listed] == [("family", "1"), ("sibling", "1")]
 
 
+def test_a_name_with_quotes_registers_and_registers_again_as_the_same_version(tmp_path, trained_weights):
+    """MLflow allows quotes in a registered model's name, which its search filters cannot hold."""
+    store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("quoted",))
+    name = """Ada's "digits" model"""
+    registered = [register_run(store, run_id, name, alias) for alias in ("best", "champion")]
+    assert [(r.version, r.created) for r in registered] == [("1", True), ("1", False)]
+    assert MlflowClient(store).get_registered_model(name).aliases == {"best": 1, "champion": 1}
+    source = resolve_model_source(f"models:/{name}@champion", storage_path=".", tracking_uri=store)
+    assert source.provenance.model_id == registered[0].model_id
+
+
 def test_a_models_uri_registers_that_model_of_its_run_not_the_runs_own(tmp_path, trained_weights):
     store, (run_id,) = _finished_runs_with_models(tmp_path, trained_weights, ("two-models",))
     (first,) = MlflowRun(store, run_id).get().outputs.model_outputs

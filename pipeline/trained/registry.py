@@ -76,8 +76,9 @@ def register_run(tracking_uri: str, run_id: str, name: str, alias: str | None = 
     client = run.client
     found = run.get()
     model_id = model_id or _logged_model(client, found)
-    existing = [version for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
-                if version.source == f"models:/{model_id}"]  # not a version of another model of the run
+    # the name matched here, not in the filter: MLflow's filter grammar has no escape for a quote in it
+    existing = [version for version in client.search_model_versions(f"run_id = '{run_id}'")
+                if version.name == name and version.source == f"models:/{model_id}"]  # not another model's version
     if existing:
         version, created = min(existing, key=lambda v: int(v.version)), False
     else:
