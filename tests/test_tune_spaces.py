@@ -206,6 +206,35 @@ def test_a_condition_must_refer_to_an_earlier_knob():
                "  optim.weight_decay: {values: [0.05]}\n")
 
 
+def test_a_condition_in_a_later_space_on_a_key_an_earlier_one_searches_is_refused_naming_the_order():
+    later = _space("params:\n  model.args.svpn_alpha: {values: [0.5], when: {model.args.mgcrp_norm: svpn}}\n")
+    earlier = _space("params:\n  model.args.mgcrp_norm: {values: [svpn, none]}\n")
+    assert [d.key for d in combine([earlier, later]).dims] == ["model.args.mgcrp_norm", "model.args.svpn_alpha"]
+    with pytest.raises(SpaceError, match=r"test.yaml \+ test.yaml: params.model.args.svpn_alpha depends on "
+                                         r"model.args.mgcrp_norm \(when\), which must come before it \(earlier in "
+                                         r"its file, or in an earlier --space\)"):
+        combine([later, earlier])
+
+
+@pytest.mark.parametrize("when, message", [
+    # a value the searched key never takes (a typo): the knob would silently drop out of the sweep
+    ("{model.args.channel_schedule: lineaar}",
+     "its when model.args.channel_schedule: ['lineaar'] never holds, as model.args.channel_schedule is searched "
+     "over ['decreasing', 'linear']"),
+    # a key the space does not search: its base-config value decides, for every trial alike
+    ("{optim.weight_decay: [0.5, 0.9]}",
+     f"its when optim.weight_decay: [0.5, 0.9] never holds, as optim.weight_decay is "
+     f"{load_config('smoke').optim.weight_decay!r} in every trial (the base config)"),
+])
+def test_a_condition_no_trial_meets_is_refused_before_the_sweep(when, message):
+    space = _space("fixed: {model.name: eit3_1_4_mini}\nparams:\n"
+                   "  model.args.channel_schedule: {values: [decreasing, linear]}\n"
+                   f"  model.args.mha_ratio_range.0: {{values: [0.25, 1.0], when: {when}}}\n")
+    with pytest.raises(SpaceError) as refused:
+        _grid(space)
+    assert str(refused.value) == f"test.yaml: params.model.args.mha_ratio_range.0 applies to no trial: {message}"
+
+
 def test_combined_spaces_may_not_search_the_same_key():
     with pytest.raises(SpaceError, match="optim.lr_per_512 is set by both"):
         combine([load_space("lr_wd"), _space("params:\n  optim.lr_per_512: {values: [1.0e-3]}\n")])

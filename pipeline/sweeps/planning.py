@@ -30,7 +30,7 @@ from pipeline.config.schema import ExperimentConfig
 from pipeline.config.loading import get_dotted, validate, with_dotted
 from pipeline.errors import ConfigError, InvalidInputError
 from pipeline.components.modeling import checked_training_sizes, model_problem, training_sizes_problem
-from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError
+from pipeline.sweeps.spaces import Dimension, SearchSpace, SpaceError, same_value
 from pipeline.trained.transfer import fill_template, plan_transfer, shapes_of
 
 MAX_CHECKED = 2048  # combinations checked before a sweep; beyond that, a seeded sample of them
@@ -116,8 +116,28 @@ def _reservoir(items: Iterable[dict[str, Any]], size: int, rng: random.Random) -
     return chosen
 
 
+def check_conditions(space: SearchSpace, base_tree: dict[str, Any]) -> None:
+    """SpaceError for a knob whose ``when`` no trial meets (a mistyped value would drop the knob unsaid): a
+    key searched over choices must be able to take an allowed value; a key not searched must have one."""
+    searched = {dim.key: dim for dim in space.dims}
+    for dim in space.dims:
+        for key, allowed in dim.when:
+            over = searched.get(key)
+            if over is None:
+                value = get_dotted(base_tree, key)
+                takes, possible = f"is {value!r} in every trial (the base config)", (value,)
+            elif over.kind == "values":
+                takes, possible = f"is searched over {list(over.values)}", over.values
+            else:
+                continue  # a range: any value of it may meet the condition
+            if not any(same_value(value, allowed) for value in possible):
+                raise SpaceError(f"{' + '.join(space.sources)}: params.{dim.key} applies to no trial: its when "
+                                 f"{key}: {list(allowed)} never holds, as {key} {takes}")
+
+
 def check_space(space: SearchSpace, base_tree: dict[str, Any], checker: TrialChecker, seed: int) -> list[Candidate]:
     """Every knob value checked in combination; raise SpaceError for a space that cannot work."""
+    check_conditions(space, base_tree)
     combos = _reservoir(space.combinations(base_tree, Dimension.check_points), MAX_CHECKED, random.Random(seed))
     results = [checker.check(combo) for combo in combos]
     where = " + ".join(space.sources)

@@ -107,7 +107,7 @@ class Dimension:
 
     def active(self, lookup) -> bool:
         """Whether this knob applies, given ``lookup(key)`` of the trial's config so far."""
-        return all(_same_value(lookup(key), allowed) for key, allowed in self.when)
+        return all(same_value(lookup(key), allowed) for key, allowed in self.when)
 
     def grid_points(self) -> tuple[Any, ...]:
         if self.kind == "values":
@@ -159,7 +159,7 @@ class Dimension:
         return self.kind == "loguniform"
 
 
-def _same_value(actual: Any, allowed: tuple[Any, ...]) -> bool:
+def same_value(actual: Any, allowed: tuple[Any, ...]) -> bool:
     normal = (lambda v: list(v) if isinstance(v, tuple) else v)  # noqa: E731  (YAML lists vs config tuples)
     return normal(actual) in [normal(a) for a in allowed]
 
@@ -505,7 +505,8 @@ def _check_conditions(dims: list[Dimension], where: str) -> None:
             if key == dim.key:
                 raise SpaceError(f"{where}: params.{dim.key} cannot depend on itself (when)")
             if key in searched and key not in seen:
-                raise SpaceError(f"{where}: params.{dim.key} depends on {key} (when), which must come before it")
+                raise SpaceError(f"{where}: params.{dim.key} depends on {key} (when), which must come before it "
+                                 "(earlier in its file, or in an earlier --space)")
         seen.add(dim.key)
 
 
@@ -537,6 +538,7 @@ def combine(spaces: list[SearchSpace]) -> SearchSpace:
     if clash:
         key = sorted(clash)[0]
         raise SpaceError(f"{key} is fixed in one space and searched in another ({owner[key]})")
+    _check_conditions(dims, " + ".join(source for space in spaces for source in space.sources))
     return SearchSpace(
         name="+".join(s.name for s in spaces), description=" + ".join(s.description for s in spaces if s.description),
         fixed=fixed, dims=tuple(dims), derive=tuple(derive), parts=tuple(p for s in spaces for p in s.parts),
