@@ -23,6 +23,16 @@ def test_the_spend_is_summed_by_how_each_trial_ended_and_a_pruned_sample_spent_n
     assert spend.total == 11.75 and spend.pruned == 1 and spend.unit == "CPU-core-hours"
 
 
+def test_a_trial_pruned_out_of_memory_spent_what_it_ran_and_is_no_sample_that_spent_nothing():
+    out_of_memory = _row("g", "pruned", {}, 0.5)  # it trained until its out-of-memory error
+    spend = sweep_spend(ROWS + [out_of_memory] + pruned_rows([{"knobs": {"optim.lr": 9.0}, "reason": "too big"}]),
+                        "val_loss", "min", ROWS[1])
+    assert spend.by_state["pruned"] == 0.5 and spend.pruned == 1
+    assert format_spend(spend, "val_loss").splitlines()[0] == (
+        "spend: 12.25 CPU-core-hours in all (completed 11, diverged 0.25, early stopped 0.5, pruned 0.5); "
+        "1 pruned sample spent nothing")
+
+
 def test_the_front_is_the_completed_trials_no_cheaper_one_beats_in_the_metrics_direction():
     # min: a 0.9 at 1; b and f 0.7 at 3 (a tie: both); c 0.8 at 4 is beaten by b; d is better but stopped early
     assert [row.trial_id for row in front_trials(ROWS, "val_loss", "min")] == ["a", "b", "f"]

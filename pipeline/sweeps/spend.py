@@ -25,7 +25,7 @@ def pareto_front(points: list[tuple[float, float]], mode: str) -> list[tuple[flo
 class SweepSpend:
     unit: str  # GPU-hours or CPU-core-hours
     by_state: dict[str, float]  # accelerator-hours of the trials that ended each way
-    pruned: int  # samples pruned before they trained: nothing spent
+    pruned: int  # samples pruned before they trained: nothing spent (not a trial pruned out of memory)
     best: TrialRow | None
     front: list[TrialRow]  # the completed trials on the Pareto front, cheapest first
 
@@ -54,7 +54,9 @@ def sweep_spend(rows: list[TrialRow], metric: str, mode: str, best: TrialRow | N
         by_state[row.state] = by_state.get(row.state, 0.0) + row.accelerator_hours
     units = {row.cost_unit for row in rows if row.cost_unit}
     unit = units.pop() if len(units) == 1 else "accelerator-hours"
-    return SweepSpend(unit, by_state, sum(row.state == PRUNED for row in rows), best, front_trials(rows, metric, mode))
+    # a trial pruned as out of memory trained and spent: it counts with the pruned hours, not as a sample
+    never_trained = sum(row.state == PRUNED and row.accelerator_hours is None for row in rows)
+    return SweepSpend(unit, by_state, never_trained, best, front_trials(rows, metric, mode))
 
 
 def format_spend(spend: SweepSpend, metric: str) -> str:
