@@ -44,6 +44,33 @@ def test_bad_space_exits_2_naming_the_problem_writes_nothing_and_starts_no_ray(t
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("override, space, expected", [
+    ("optim.weight_decay=0.05", "lr_wd", "lr_wd.yaml searches optim.weight_decay"),
+    # a whole list whose element the space searches, and a key a derive rule fills
+    ("model.args.mha_ratio_range=[0.5, 0.5]", "eit_channel_ratio", "searches model.args.mha_ratio_range.0"),
+    ("model.args.mgcrp_m=8", "sot_mgcrp_heads", "sot_mgcrp_heads.yaml derives model.args.mgcrp_m"),
+])
+def test_a_set_of_a_key_the_space_searches_or_derives_is_refused_not_silently_replaced(tmp_path, capsys, override,
+                                                                                       space, expected):
+    err = refused_in_process(_tune(tmp_path, None, override, space=space), capsys)
+    assert f"--set {override}: " in err and expected in err and "each trial's value would replace it" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_set_of_the_target_a_derive_rule_reads_is_taken(tmp_path, digits16):
+    from pipeline.sweeps.planning import resolve_trial
+    from pipeline.sweeps.runner import prepare_sweep
+
+    sweep = prepare_sweep("smoke", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                    f"data.val={digits16['val']}", "data.prepare=null", "model.args.repr_size=2000",
+                                    "tune.scheduler=fifo"],
+                          ["sot_mgcrp_heads"])
+    # up_even: the smallest even m with h m^2 >= 2000, by hand: h = 1: 46 (2116); h = 8: 16 (2048)
+    trials = [resolve_trial(sweep.space, sweep.base_tree, variant)[0].model.args for variant in sweep.plan.variants]
+    sides = {args["mgcrp_heads"]: args["mgcrp_m"] for args in trials}
+    assert sides[1] == 46 and sides[8] == 16
+
+
 def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
     assert main(_tune(tmp_path, None, space="fsne_code_sise")) == EXIT_INVALID_INPUT
     assert "did you mean 'fsne_code_size'" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from pipeline import interrupts, uris
 from pipeline.config.schema import ExperimentConfig
-from pipeline.config.loading import apply_overrides, load_config, validate, with_dotted
+from pipeline.config.loading import apply_overrides, load_config, parse_override, validate, with_dotted
 from pipeline.console import LOG_FILE_NAME, active_console, counted
 from pipeline.ray_connection import local_ray_resources, ray_address, start_ray
 from pipeline.training.jobs import check_paths_outlive_job
@@ -116,7 +116,16 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
 
 
 def base_config(config: str | None, overrides: list[str], space: SearchSpace) -> ExperimentConfig:
-    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``."""
+    """The config every trial starts from: ``--config``, then the space's ``fixed``, then ``--set``; a
+    ``--set`` of a key the space searches or derives is refused (each trial's value would replace it)."""
+    decided = {key: "searches" for key in space.keys}
+    decided |= {key: "derives" for rule in space.derive for key in rule.replaced_keys}
+    for assignment in overrides:
+        given = parse_override(assignment)[0]
+        for key, how in decided.items():
+            if given == key or key.startswith(f"{given}.") or given.startswith(f"{key}."):
+                raise SpaceError(f"--set {assignment}: {' + '.join(space.sources)} {how} {key}, so each trial's "
+                                 "value would replace it; drop the --set, or search a space without it")
     tree = with_dotted(load_config(config).model_dump(mode="json"), space.fixed)
     return validate(apply_overrides(tree, list(overrides)))
 

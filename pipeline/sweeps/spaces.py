@@ -361,6 +361,7 @@ def _mgcrp_square(tree: dict[str, Any], rounding: str = "nearest") -> dict[str, 
 
 DERIVATIONS = {"mgcrp_square": _mgcrp_square}
 DERIVED_KEYS = {"mgcrp_square": ("model.args.mgcrp_m", "model.args.mgcrp_n", "model.args.repr_size")}
+TARGET_KEYS = {"mgcrp_square": ("model.args.repr_size",)}  # read as the target, then set to the size reached
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,11 @@ class Derivation:
     def keys(self) -> tuple[str, ...]:
         """The keys the rule fills."""
         return DERIVED_KEYS[self.name]
+
+    @property
+    def replaced_keys(self) -> tuple[str, ...]:
+        """The keys it fills without reading them first: a value given for one is lost."""
+        return tuple(key for key in self.keys if key not in TARGET_KEYS.get(self.name, ()))
 
 
 def _derivations(derive: DeriveSpec) -> tuple[Derivation, ...]:
