@@ -161,6 +161,7 @@ def test_ema_takes_the_runs_ema_weights(trained):
 def test_a_finished_checkpoint_directory_gives_its_final_weights_and_its_runs_lineage(trained):
     source = resolve(trained, str(trained.final))
     assert source.provenance.kind == "checkpoint_dir" and source.provenance.run_id == trained.run_id
+    assert source.provenance.model_id == trained.model_id  # the final weights are the run's logged model
     assert_same_weights(source.weights, trained.weights["final"])
     assert source.card == trained.card
 
@@ -168,8 +169,17 @@ def test_a_finished_checkpoint_directory_gives_its_final_weights_and_its_runs_li
 def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_card(trained):
     source = resolve(trained, str(trained.first))
     assert source.provenance.location == str(trained.first)
+    # its run's, but not the run's logged model: evaluating it must not score that model
+    assert source.provenance.run_id == trained.run_id and source.provenance.model_id is None
     assert_same_weights(source.weights, trained.weights["first"])  # fp32 masters = the fp32 module
     assert source.card == trained.card
+
+
+def test_an_earlier_checkpoint_is_not_registered_as_its_runs_logged_model(trained, capsys):
+    err = refused_in_process(["register", str(trained.first), "early", "--set", f"tracking.mlflow_uri={trained.uri}",
+                              "--set", f"run.storage_path={trained.storage}"], capsys)
+    assert f"model source {str(trained.first)!r} is a checkpoint before the run's end, not its logged model" in err
+    assert not MlflowClient(trained.uri).search_registered_models("name = 'early'")
 
 
 def test_zero_shards_are_consolidated_weights_only_even_where_torch_is_told_to_unpickle(trained, monkeypatch):

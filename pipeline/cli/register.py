@@ -64,6 +64,11 @@ def registered_run(given: str, cfg) -> tuple[str, str, str | None]:
             f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
             "registered; give its run (name or directory) or runs:/RUN_ID/model"
         )
+    if provenance.kind == "checkpoint_dir" and not provenance.model_id:
+        raise InvalidInputError(
+            f"model source {given!r} is a checkpoint before the run's end, not its logged model (the final "
+            "weights); register the run (its name or directory), or start a run from the checkpoint and register that"
+        )
     return provenance.tracking_uri, provenance.run_id, provenance.model_id
 
 

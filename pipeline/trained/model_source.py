@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import pickle
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -161,7 +161,12 @@ def _directory_source(given: str, directory: Path, ema: bool) -> ModelSource:
         return read_logged_model_directory(directory, ema, given)
     if (directory / META_FILE).is_file():
         weights, card, location = _checkpoint_contents(given, directory, ema)
-        return ModelSource(weights, card, _run_provenance(given, "checkpoint_dir", location, ema, directory.parent))
+        provenance = _run_provenance(given, "checkpoint_dir", location, ema, directory.parent)
+        newest = [path.resolve() for path in checkpoints_newest_first(directory.parent)[:1]]
+        if not (newest == [directory.resolve()] and (directory / WEIGHTS_FILE).is_file()):
+            # an earlier epoch's weights: not the logged model the run record names, which holds the final ones
+            provenance = replace(provenance, model_id=None)
+        return ModelSource(weights, card, provenance)
     if (directory / RUN_RECORD).is_file() or checkpoints_newest_first(directory):
         return _run_source(given, directory, "run_dir", ema)
     raise InvalidInputError(
