@@ -253,9 +253,9 @@ def test_a_checkpoint_whose_deepspeed_state_needs_code_is_refused_unloaded(train
             resolve(trained, str(checkpoint), ema=ema)
 
 
-def test_a_safetensors_file_gives_every_name_of_a_shared_tensor_and_no_card(trained):
+def test_a_checkpoints_safetensors_file_gives_every_name_of_a_shared_tensor_and_the_checkpoints_card(trained):
     source = resolve(trained, str(trained.final / WEIGHTS_FILE))
-    assert (source.provenance.kind, source.card) == ("safetensors", None)
+    assert (source.provenance.kind, source.card) == ("safetensors", trained.card)  # the card beside it
     assert_same_weights(source.weights, trained.weights["final"])
     assert SHARED_CODE in source.weights
 
@@ -364,9 +364,12 @@ def test_a_source_builds_its_model_as_the_logged_pytorch_model_predicts(trained,
         torch.testing.assert_close(built(images), logged.eval()(images))
 
 
-def test_a_bare_file_cannot_build_a_model(trained):
+def test_a_bare_file_cannot_build_a_model(trained, tmp_path):
+    shutil.copy(trained.final / WEIGHTS_FILE, tmp_path / "copied.safetensors")  # away from its checkpoint's card
+    source = resolve(trained, str(tmp_path / "copied.safetensors"))
+    assert source.card is None
     with pytest.raises(InvalidInputError, match="does not say which model"):
-        resolve(trained, str(trained.final / WEIGHTS_FILE)).build()
+        source.build()
 
 
 # -- what does not resolve ------------------------------------------------------------------------------

@@ -105,7 +105,8 @@ class ModelSource:
         """The card; InvalidInputError for a bare weights file, which cannot say what model it holds."""
         if self.card is None:
             raise InvalidInputError(f"model source {self.provenance.given!r} is a bare weights file: it does not say "
-                                    f"which model it holds; give {FORMS}")
+                                    "which model it holds (no model card in it, no checkpoint's beside it); give the "
+                                    "run or checkpoint directory it came from, or an MLflow model")
         return self.card
 
     def build(self, img_size: int | None = None) -> nn.Module:
@@ -199,10 +200,7 @@ def _checkpoint_contents(given: str, directory: Path, ema: bool) -> tuple[dict[s
         verify_checkpoint(directory)
     except CorruptCheckpointError as err:  # a truncated or changed file, named
         raise CorruptCheckpointError(f"model source {given!r}: {err}") from None
-    meta = read_meta(directory)
-    where = f"model source {given!r}: checkpoint {str(directory)!r}"
-    card = (ModelCard.from_dict(meta["card"], where) if "card" in meta
-            else ModelCard.from_identity(meta.get("model") or {}, where))
+    card = _checkpoint_card(given, directory)
     final = directory / (EMA_WEIGHTS_FILE if ema else WEIGHTS_FILE)
     if final.is_file():
         return _read_safetensors(given, final)[0], card, str(final)
@@ -210,6 +208,13 @@ def _checkpoint_contents(given: str, directory: Path, ema: bool) -> tuple[dict[s
         return _cpu_fp32(checkpoint_state_dict(directory, ema)), card, str(directory)
     except InvalidInputError as err:
         raise InvalidInputError(f"model source {given!r}: {err}") from None
+
+
+def _checkpoint_card(given: str, directory: Path) -> ModelCard:
+    meta = read_meta(directory)
+    where = f"model source {given!r}: checkpoint {str(directory)!r}"
+    return (ModelCard.from_dict(meta["card"], where) if "card" in meta
+            else ModelCard.from_identity(meta.get("model") or {}, where))
 
 
 def _run_provenance(given: str, kind: SourceKind, location: str, ema: bool, run_dir: Path) -> Provenance:
@@ -229,6 +234,8 @@ def _file_source(given: str, path: Path, ema: bool) -> ModelSource:
             raise InvalidInputError(f"model source {given!r} is one safetensors file, with no separate EMA weights; "
                                     "give the EMA's own file (model_ema.safetensors) and do not ask for EMA")
         weights, card = _read_safetensors(given, path)
+        if card is None and (path.parent / META_FILE).is_file():  # a checkpoint's final weights: its card beside it
+            card = _checkpoint_card(given, path.parent)
         return ModelSource(weights, card, Provenance(given, "safetensors", str(path), ema))
     return ModelSource(_read_state_dict(given, path, ema), None, Provenance(given, "state_dict", str(path), ema))
 
