@@ -175,6 +175,23 @@ def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_car
     assert source.card == trained.card
 
 
+def test_a_run_of_a_moved_project_finds_its_mlflow_run_in_the_stores_new_place(trained, tmp_path):
+    """The run record names its store by an absolute path: after the project moved, that path is gone.
+    The run is found in the config's store (the moved one), and no empty store appears at the old path."""
+    old, new = tmp_path / "project", tmp_path / "renamed"
+    shutil.copytree(trained.storage, old)
+    record = old / "tiny" / "mlflow_run.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "tracking_uri": f"sqlite:///{old}/mlflow.db"}))
+    old.rename(new)
+    source = resolve_model_source("tiny", storage_path=new, tracking_uri=f"sqlite:///{new}/mlflow.db")
+    assert (source.provenance.tracking_uri, source.provenance.run_id, source.provenance.model_id) == (
+        f"sqlite:///{new}/mlflow.db", trained.run_id, trained.model_id)
+    elsewhere = resolve_model_source("tiny", storage_path=new, tracking_uri=f"sqlite:///{trained.storage}/absent.db")
+    assert (elsewhere.provenance.tracking_uri, elsewhere.provenance.run_id) == (None, None)  # no store holds it
+    assert_same_weights(elsewhere.weights, trained.weights["final"])
+    assert not old.exists() and not (trained.storage / "absent.db").exists()
+
+
 def test_an_earlier_checkpoint_is_not_registered_as_its_runs_logged_model(trained, capsys):
     err = refused_in_process(["register", str(trained.first), "early", "--set", f"tracking.mlflow_uri={trained.uri}",
                               "--set", f"run.storage_path={trained.storage}"], capsys)

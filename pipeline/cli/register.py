@@ -63,6 +63,8 @@ def registered_run(given: str, cfg) -> tuple[str, str, str | None]:
         raise InvalidInputError(
             f"model source {given!r} ({provenance.kind}) names no MLflow run: only a run's logged model can be "
             "registered; give its run (name or directory) or runs:/RUN_ID/model"
+            + ("; a run whose project moved is found in the store tracking.mlflow_uri names"
+               if provenance.kind in ("run_name", "run_dir", "checkpoint_dir") else "")
         )
     if provenance.kind == "checkpoint_dir" and not provenance.model_id:
         raise InvalidInputError(

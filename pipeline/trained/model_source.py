@@ -51,7 +51,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import MLFLOW_METADATA_KEY, SAFETENSORS_CARD_KEY, ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.tracking.store import FORMER_MODEL_NAME, LOGGED_MODEL_FILES, RUN_RECORD, read_run_record, run_model_id
-from pipeline.tracking.connection import is_local_store, open_client, require_reachable
+from pipeline.tracking.connection import is_local_store, is_new_local_store, open_client, require_reachable
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
                      "logged_model", "registered_model", "mlflow_model_dir"]
@@ -137,6 +137,27 @@ def resolve_model_source(given: str, *, storage_path: str | Path, tracking_uri: 
         return _mlflow_source(given, tracking_uri, ema)
     if uris.is_uri(given):
         raise InvalidInputError(f"model source {given!r}: a URI other than runs:/ or models:/; a source is {FORMS}")
+    return _lineage_where_it_is_now(_local_source(given, storage_path, ema), tracking_uri)
+
+
+def _lineage_where_it_is_now(source: ModelSource, tracking_uri: str) -> ModelSource:
+    """A run directory's record names its MLflow store by an absolute path, which a project moved or renamed
+    since leaves pointing at nothing (and opening it would create an empty store there). The run is then
+    looked for in the store at ``tracking_uri`` (the config's): found, its lineage follows it; else it is dropped."""
+    lineage = source.provenance
+    if not (lineage.tracking_uri and is_new_local_store(lineage.tracking_uri)):
+        return source
+    moved = {"tracking_uri": None, "experiment_id": None, "run_id": None, "model_id": None}
+    if lineage.run_id and is_local_store(tracking_uri) and not is_new_local_store(tracking_uri):
+        try:
+            open_client(tracking_uri).get_run(lineage.run_id)
+            moved = {"tracking_uri": tracking_uri}
+        except MlflowException:
+            pass
+    return replace(source, provenance=replace(lineage, **moved))
+
+
+def _local_source(given: str, storage_path: str | Path, ema: bool) -> ModelSource:
     path = Path(given).expanduser().absolute()
     if path.is_dir():
         return _directory_source(given, path, ema)
