@@ -175,6 +175,15 @@ def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_car
     assert source.card == trained.card
 
 
+def test_a_sweeps_name_is_no_run_and_the_refusal_says_what_to_give(tmp_path):
+    (tmp_path / "lr_wd-20261207-180903").mkdir()  # a sweep's directory: its trials' runs are below, not in it
+    with pytest.raises(InvalidInputError) as refused:
+        resolve_model_source("lr_wd-20261207-180903", storage_path=tmp_path, tracking_uri="unused:")
+    assert str(refused.value).endswith("holds no checkpoint: a run that has not finished an epoch, or no run (a "
+                                       "sweep's directory: give one of its trials' models, runs:/RUN_ID/model with a "
+                                       "run id `vitsweep compare` lists)")
+
+
 def test_a_run_of_a_moved_project_finds_its_mlflow_run_in_the_stores_new_place(trained, tmp_path):
     """The run record names its store by an absolute path: after the project moved, that path is gone.
     The run is found in the config's store (the moved one), and no empty store appears at the old path."""

@@ -256,6 +256,7 @@ def test_a_sweep_with_no_trial_that_trained_every_epoch_is_refused_naming_its_tr
     err = capsys.readouterr().err
     assert "sweep" in err and "has no trial that trained every epoch (" in err
     assert "t1 early_stopped" in err and "t2 error" in err
+    assert "register one of its trials' models instead, runs:/RUN_ID/model with a run id `vitsweep compare` lists" in err
     assert MlflowClient(store).search_registered_models() == []
 
 

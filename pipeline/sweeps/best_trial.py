@@ -46,5 +46,6 @@ def best_trial(given: str, sweep_dir: str) -> tuple[str, str]:
     if best is None:
         states = ", ".join(f"{row.trial_id} {row.state}" for row in rows) or "no trials"
         raise InvalidInputError(f"sweep {given!r} has no trial that trained every epoch ({states}): nothing to "
-                                "register; register one of its trials' runs by its run id instead")
+                                "register; register one of its trials' models instead, runs:/RUN_ID/model with a run id "
+                                "`vitsweep compare` lists")
     return uri, best.run_id

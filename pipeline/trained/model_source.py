@@ -201,8 +201,9 @@ def _run_source(given: str, run_dir: Path, kind: SourceKind, ema: bool) -> Model
     """A run's final weights: its newest checkpoint must hold them (the run finished)."""
     found = checkpoints_newest_first(run_dir)
     if not found:
-        raise InvalidInputError(f"model source {given!r}: run {str(run_dir)!r} has no checkpoint (it has not "
-                                "finished an epoch)")
+        raise InvalidInputError(f"model source {given!r}: {str(run_dir)!r} holds no checkpoint: a run that has not "
+                                "finished an epoch, or no run (a sweep's directory: give one of its trials' models, "
+                                "runs:/RUN_ID/model with a run id `vitsweep compare` lists)")
     newest = found[0]
     if not (newest / WEIGHTS_FILE).is_file():
         raise InvalidInputError(
