@@ -71,6 +71,29 @@ def test_a_set_of_the_target_a_derive_rule_reads_is_taken(tmp_path, digits16):
     assert sides[1] == 46 and sides[8] == 16
 
 
+def test_searching_the_epochs_needs_fifo_asha_compares_trials_at_the_same_epochs(tmp_path, capsys):
+    (tmp_path / "space.yaml").write_text("params:\n  optim.epochs: {values: [2, 3]}\n")
+    err = refused_in_process(["tune", "--space", str(tmp_path / "space.yaml"), "--config", "smoke",
+                              "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "tune.grace_period=1"], capsys)
+    assert "optim.epochs is searched, but ASHA compares trials at the same epochs" in err and "fifo" in err
+
+
+def test_a_trial_searched_at_fewer_epochs_than_the_base_config_completes_at_its_own(capsys):
+    from types import SimpleNamespace
+
+    from pipeline.sweeps.progress import SweepTable
+
+    table = SweepTable("val_top1", epochs=6)  # the base config's
+    trial = SimpleNamespace(trial_id="t1", config={"knobs": {"optim.epochs": 2}}, last_result={"epochs_done": 2})
+    table.on_trial_start(0, [], trial)
+    for epoch in (1, 2):
+        table.on_trial_result(0, [], trial, {"epochs_done": epoch, "val_top1": 50.0})
+    table.on_trial_complete(0, [], trial)
+    out = capsys.readouterr().out
+    assert "trial t1 (epochs=2): epoch 2/2  val_top1 50" in out and "trial t1 (epochs=2): completed" in out
+    assert table.render()[1].split() == ["t1", "2", "2/2", "50", "completed"]
+
+
 def test_unknown_shipped_space_exits_2_with_a_suggestion(tmp_path, capsys):
     assert main(_tune(tmp_path, None, space="fsne_code_sise")) == EXIT_INVALID_INPUT
     assert "did you mean 'fsne_code_size'" in capsys.readouterr().err

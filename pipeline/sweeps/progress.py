@@ -13,7 +13,7 @@ from typing import Any
 from ray.tune import Callback
 
 from pipeline.console import active_console
-from pipeline.sweeps.report import knobs_text
+from pipeline.sweeps.report import EPOCHS_KEY, knobs_text
 from pipeline.sweeps.spaces import short_keys
 from pipeline.sweeps.tracking import EPOCHS_DONE, trial_error_text
 
@@ -48,10 +48,14 @@ class SweepTable(Callback):
     def render(self) -> list[str]:
         keys = list(dict.fromkeys(key for line in self.trials.values() for key in line.knobs))
         header = ["trial", *short_keys(keys).values(), "epochs", self.metric, "status"]
-        rows = [[line.trial_id, *[_cell(line.knobs.get(key, "")) for key in keys], f"{line.epochs}/{self.epochs}",
+        rows = [[line.trial_id, *[_cell(line.knobs.get(key, "")) for key in keys], f"{line.epochs}/{self._epochs(line)}",
                  _cell(line.value), line.status] for line in self.trials.values()]
         widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
         return ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip() for cells in [header, *rows]]
+
+    def _epochs(self, line: TrialLine) -> int:
+        """The trial's own epochs: the sweep's, or its knob where the space searches them (fifo only)."""
+        return int(line.knobs.get(EPOCHS_KEY, self.epochs))
 
     def _show(self, line: TrialLine, event: str) -> None:
         console = active_console()
@@ -75,14 +79,14 @@ class SweepTable(Callback):
         line = self._line(trial)
         line.epochs = int(result.get(EPOCHS_DONE, line.epochs))
         line.value = float(result.get(self.metric, line.value))
-        self._show(line, f"epoch {line.epochs}/{self.epochs}  {self.metric} {_cell(line.value)}")
+        self._show(line, f"epoch {line.epochs}/{self._epochs(line)}  {self.metric} {_cell(line.value)}")
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
         line = self._line(trial)
         if line.epochs == 0 and not trial.last_result.get(EPOCHS_DONE):  # a TPE sample pruned as it started
             line.status = "pruned"
         else:
-            line.status = COMPLETED if line.epochs >= self.epochs else STOPPED_EARLY
+            line.status = COMPLETED if line.epochs >= self._epochs(line) else STOPPED_EARLY
         self._show(line, line.status + (f" after epoch {line.epochs}" if line.status == STOPPED_EARLY else ""))
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:

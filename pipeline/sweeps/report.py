@@ -157,6 +157,7 @@ def format_table(rows: list[TrialRow], metric: str, mode: str, max_reason: int =
 # --------------------------------------------------------------------------------------------------
 
 SEED_KEY = "run.seed"
+EPOCHS_KEY = "optim.epochs"  # searchable with fifo: a trial then trains its own number of epochs
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,9 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
             f"tune.num_samples={tune.num_samples} with tune.searcher=grid would repeat identical trials; search "
             "run.seed to repeat with other seeds, or use tune.searcher=random or tpe"
         )
+    if tune.scheduler == "asha" and report.EPOCHS_KEY in space.keys:
+        raise SpaceError(f"{report.EPOCHS_KEY} is searched, but ASHA compares trials at the same epochs, up to one budget for "
+                         "all; use tune.scheduler=fifo")
     if tune.scheduler == "asha" and tune.grace_period >= cfg.optim.epochs:
         raise SpaceError(
             f"tune.grace_period={tune.grace_period} must be < optim.epochs={cfg.optim.epochs} for ASHA to stop any "
