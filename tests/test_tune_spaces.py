@@ -235,6 +235,14 @@ def test_a_condition_no_trial_meets_is_refused_before_the_sweep(when, message):
     assert str(refused.value) == f"test.yaml: params.model.args.mha_ratio_range.0 applies to no trial: {message}"
 
 
+def test_random_search_over_choices_refuses_more_samples_than_configurations():
+    space = load_spaces(["fsne_code_size"])  # code size 8, 16, 32, 64, plain and starred: 8 configurations
+    assert len(plan_trials(space, _base(space), "random", 8, seed=0).variants) == 8
+    with pytest.raises(SpaceError, match=r"its knobs' choices make 8 configurations, fewer than "
+                                         r"tune.num_samples=9, so trials would repeat"):
+        plan_trials(space, _base(space), "random", 9, seed=0)
+
+
 def test_combined_spaces_may_not_search_the_same_key():
     with pytest.raises(SpaceError, match="optim.lr_per_512 is set by both"):
         combine([load_space("lr_wd"), _space("params:\n  optim.lr_per_512: {values: [1.0e-3]}\n")])
@@ -255,6 +263,9 @@ def test_random_search_draws_only_the_knobs_that_apply():
 
 
 def test_random_search_prunes_invalid_draws_and_keeps_the_count():
-    space = _space("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n")
+    space = _space("params:\n  model.args.embed_dim: {values: [96, 128]}\n  model.args.num_heads: {values: [4, 6]}\n"
+                   "  optim.weight_decay: {uniform: [0.0, 0.1]}\n")  # a range: more samples than the 4 choices
     plan = plan_trials(space, _base(space), "random", 5, seed=0)
-    assert len(plan.variants) == 5 and {"model.args.embed_dim": 128, "model.args.num_heads": 6} not in plan.variants
+    assert len(plan.variants) == 5  # 128 channels do not split into 6 heads: that draw is pruned, not counted
+    assert all((v["model.args.embed_dim"], v["model.args.num_heads"]) != (128, 6) for v in plan.variants)
+    assert any((p["knobs"]["model.args.embed_dim"], p["knobs"]["model.args.num_heads"]) == (128, 6) for p in plan.pruned)

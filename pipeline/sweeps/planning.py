@@ -175,6 +175,13 @@ def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, nu
             checked=len(checked), candidates=_valid([*checked, *results]),
         )
     if searcher == "random":
+        if all(dim.kind == "values" for dim in space.dims):  # finite: more samples than configurations repeat some
+            distinct = len(_take(space.combinations(base_tree, Dimension.grid_points), num_samples))
+            if distinct < num_samples:
+                raise SpaceError(
+                    f"random search over {' + '.join(space.sources)}: its knobs' choices make {distinct} "
+                    f"configurations, fewer than tune.num_samples={num_samples}, so trials would repeat; use "
+                    "tune.searcher=grid (each once), fewer samples, or search run.seed to repeat them on purpose")
         rng = random.Random(seed)
         plan = TrialPlan(variants=[], checked=len(checked), candidates=_valid(checked))
         for _ in range(SAMPLE_ATTEMPTS * num_samples):
