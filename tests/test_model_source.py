@@ -379,6 +379,11 @@ def test_a_downloaded_mlflow_model_directory_gives_its_weights_card_and_lineage(
     assert source.card == trained.card
     assert (source.provenance.kind, source.provenance.run_id, source.provenance.model_id) == (
         "mlflow_model_dir", trained.run_id, trained.model_id)
+    # the store its run is in, where the config's store holds it: it registers, and evaluations link to it
+    assert (source.provenance.tracking_uri, source.provenance.experiment_id) == (trained.uri, trained.experiment_id)
+    elsewhere = resolve_model_source(local, storage_path=trained.storage, tracking_uri=f"sqlite:///{tmp_path}/other.db")
+    assert (elsewhere.provenance.run_id, elsewhere.provenance.tracking_uri) == (trained.run_id, None)
+    assert not (tmp_path / "other.db").exists()
 
 
 def test_a_source_builds_its_model_as_the_logged_pytorch_model_predicts(trained, monkeypatch):

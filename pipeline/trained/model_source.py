@@ -142,19 +142,22 @@ def resolve_model_source(given: str, *, storage_path: str | Path, tracking_uri: 
 
 def _lineage_where_it_is_now(source: ModelSource, tracking_uri: str) -> ModelSource:
     """A run directory's record names its MLflow store by an absolute path, which a project moved or renamed
-    since leaves pointing at nothing (and opening it would create an empty store there). The run is then
-    looked for in the store at ``tracking_uri`` (the config's): found, its lineage follows it; else it is dropped."""
+    since leaves pointing at nothing (and opening it would create an empty store there); a downloaded MLflow
+    model names its run but no store. The run is then looked for in the local store at ``tracking_uri`` (the
+    config's): found, its lineage follows it; else a gone store's lineage is dropped."""
     lineage = source.provenance
-    if not (lineage.tracking_uri and is_new_local_store(lineage.tracking_uri)):
+    gone = lineage.tracking_uri is not None and is_new_local_store(lineage.tracking_uri)
+    if not (gone or (lineage.run_id and lineage.tracking_uri is None)):
         return source
-    moved = {"tracking_uri": None, "experiment_id": None, "run_id": None, "model_id": None}
     if lineage.run_id and is_local_store(tracking_uri) and not is_new_local_store(tracking_uri):
         try:
-            open_client(tracking_uri).get_run(lineage.run_id)
-            moved = {"tracking_uri": tracking_uri}
+            run = open_client(tracking_uri).get_run(lineage.run_id)
+            return replace(source, provenance=replace(lineage, tracking_uri=tracking_uri,
+                                                      experiment_id=run.info.experiment_id))
         except MlflowException:
             pass
-    return replace(source, provenance=replace(lineage, **moved))
+    return replace(source, provenance=replace(lineage, tracking_uri=None, experiment_id=None, run_id=None,
+                                              model_id=None)) if gone else source
 
 
 def _local_source(given: str, storage_path: str | Path, ema: bool) -> ModelSource:
