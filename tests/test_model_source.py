@@ -171,6 +171,7 @@ def test_an_earlier_checkpoint_is_consolidated_from_its_zero_shards_with_its_car
     assert source.provenance.location == str(trained.first)
     # its run's, but not the run's logged model: evaluating it must not score that model
     assert source.provenance.run_id == trained.run_id and source.provenance.model_id is None
+    assert source.provenance.before_end and not resolve(trained, str(trained.final)).provenance.before_end
     assert_same_weights(source.weights, trained.weights["first"])  # fp32 masters = the fp32 module
     assert source.card == trained.card
 
@@ -184,13 +185,15 @@ def test_a_sweeps_name_is_no_run_and_the_refusal_says_what_to_give(tmp_path):
                                        "run id `vitsweep compare` lists)")
 
 
-def test_a_run_of_a_moved_project_finds_its_mlflow_run_in_the_stores_new_place(trained, tmp_path):
-    """The run record names its store by an absolute path: after the project moved, that path is gone.
-    The run is found in the config's store (the moved one), and no empty store appears at the old path."""
+@pytest.mark.parametrize("recorded", ["sqlite:///{old}/mlflow.db", "file://{old}/mlruns", "{old}/mlruns"])
+def test_a_run_of_a_moved_project_finds_its_mlflow_run_in_the_stores_new_place(trained, tmp_path, recorded):
+    """The run record names its store by an absolute path (a SQLite file, or a file store's directory as a
+    URI or bare): after the project moved, that path is gone. The run is found in the config's store (the
+    moved one), and no empty store appears at the old path."""
     old, new = tmp_path / "project", tmp_path / "renamed"
     shutil.copytree(trained.storage, old)
     record = old / "tiny" / "mlflow_run.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "tracking_uri": f"sqlite:///{old}/mlflow.db"}))
+    record.write_text(json.dumps({**json.loads(record.read_text()), "tracking_uri": recorded.format(old=old)}))
     old.rename(new)
     source = resolve_model_source("tiny", storage_path=new, tracking_uri=f"sqlite:///{new}/mlflow.db")
     assert (source.provenance.tracking_uri, source.provenance.run_id, source.provenance.model_id) == (
@@ -206,6 +209,19 @@ def test_an_earlier_checkpoint_is_not_registered_as_its_runs_logged_model(traine
                               "--set", f"run.storage_path={trained.storage}"], capsys)
     assert f"model source {str(trained.first)!r} is a checkpoint before the run's end, not its logged model" in err
     assert not MlflowClient(trained.uri).search_registered_models("name = 'early'")
+
+
+def test_the_final_checkpoint_of_a_run_recorded_before_model_ids_registers_the_runs_model(trained, tmp_path, capsys):
+    copy = tmp_path / "project"
+    shutil.copytree(trained.storage, copy)
+    record = copy / "tiny" / "mlflow_run.json"
+    older = {key: value for key, value in json.loads(record.read_text()).items() if key != "model_id"}
+    record.write_text(json.dumps({**older, "tracking_uri": f"sqlite:///{copy}/mlflow.db"}))
+    final = copy / "tiny" / trained.final.name
+    assert main(["register", str(final), "from-final", "--set", f"tracking.mlflow_uri=sqlite:///{copy}/mlflow.db",
+                 "--set", f"run.storage_path={copy}"]) == 0, capsys.readouterr().err
+    (version,) = MlflowClient(f"sqlite:///{copy}/mlflow.db").search_model_versions("name = 'from-final'")
+    assert (version.run_id, version.source) == (trained.run_id, f"models:/{trained.model_id}")
 
 
 def test_zero_shards_are_consolidated_weights_only_even_where_torch_is_told_to_unpickle(trained, monkeypatch):

@@ -174,6 +174,9 @@ def test_a_model_with_fewer_than_five_classes_gives_all_of_them_by_default(tmp_p
     assert [(p.name, p.default) for p in mlflow.models.get_model_info(model_uri).signature.params] == [("topk", 3)]
     served = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}))
     assert list(served.loc[0, "classes"]) == ranked and list(served.loc[0, "labels"]) == [classes[i] for i in ranked]
+    # a model logged before: its signature's default was 5, which MLflow passes; it reads as the default too
+    older = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"image": [_png(IMAGES[0])]}), params={"topk": 5})
+    assert list(older.loc[0, "classes"]) == ranked
     Image.fromarray(IMAGES[0]).save(tmp_path / "photo.png")
     assert main(["predict", model_uri, str(tmp_path / "photo.png"), "--json", "--set", f"tracking.mlflow_uri={uri}"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)

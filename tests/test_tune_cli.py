@@ -78,6 +78,18 @@ def test_searching_the_epochs_needs_fifo_asha_compares_trials_at_the_same_epochs
     assert "optim.epochs is searched, but ASHA compares trials at the same epochs" in err and "fifo" in err
 
 
+def test_a_sweep_searching_the_epochs_records_them_as_searched_not_as_the_base_configs(tmp_path, digits16):
+    from pipeline.sweeps.resources import TrialResources
+    from pipeline.sweeps.runner import _sweep_params, describe_sweep, prepare_sweep
+
+    (tmp_path / "epochs.yaml").write_text("params:\n  optim.epochs: {values: [1, 2]}\n")
+    sweep = prepare_sweep("smoke", [f"run.storage_path={tmp_path}", f"data.train={digits16['train']}",
+                                    f"data.val={digits16['val']}", "data.prepare=null", "tune.scheduler=fifo"],
+                          [str(tmp_path / "epochs.yaml")])
+    assert _sweep_params(sweep, 1, TrialResources.of(sweep.cfg))["optim.epochs"] == "searched"
+    assert ", its searched epochs each, optimising val_top1" in describe_sweep(sweep)
+
+
 def test_a_trial_searched_at_fewer_epochs_than_the_base_config_completes_at_its_own(capsys):
     from types import SimpleNamespace
 

@@ -235,9 +235,10 @@ def test_a_condition_no_trial_meets_is_refused_before_the_sweep(when, message):
     assert str(refused.value) == f"test.yaml: params.model.args.mha_ratio_range.0 applies to no trial: {message}"
 
 
-def test_random_search_over_choices_refuses_more_samples_than_configurations():
+def test_random_search_over_choices_takes_each_configuration_once_and_refuses_more_samples_than_there_are():
     space = load_spaces(["fsne_code_size"])  # code size 8, 16, 32, 64, plain and starred: 8 configurations
-    assert len(plan_trials(space, _base(space), "random", 8, seed=0).variants) == 8
+    variants = plan_trials(space, _base(space), "random", 8, seed=0).variants
+    assert len({tuple(sorted(v.items())) for v in variants}) == 8  # every configuration once, none repeated
     with pytest.raises(SpaceError, match=r"its knobs' choices make 8 configurations, fewer than "
                                          r"tune.num_samples=9, so trials would repeat"):
         plan_trials(space, _base(space), "random", 9, seed=0)

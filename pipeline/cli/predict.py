@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         source = resolve_model_source(args.source, storage_path=cfg.run.storage_path,
                                       tracking_uri=resolve_tracking_uri(cfg))
         classifier = ImageClassifier.of(source, source.require_card().eval_preprocessing(cfg.data))
-        topk = classifier.check_topk(args.topk)
+        topk = classifier.resolve_topk(args.topk)
         found = []
         for path, outcome in classify_files(classifier, files, topk):
             if isinstance(outcome, UnreadableImageError):

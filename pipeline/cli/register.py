@@ -66,7 +66,7 @@ def registered_run(given: str, cfg) -> tuple[str, str, str | None]:
             + ("; a run whose project moved is found in the store tracking.mlflow_uri names"
                if provenance.kind in ("run_name", "run_dir", "checkpoint_dir") else "")
         )
-    if provenance.kind == "checkpoint_dir" and not provenance.model_id:
+    if provenance.before_end:
         raise InvalidInputError(
             f"model source {given!r} is a checkpoint before the run's end, not its logged model (the final "
             "weights); register the run (its name or directory), or start a run from the checkpoint and register that"

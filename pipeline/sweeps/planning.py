@@ -116,7 +116,7 @@ def _reservoir(items: Iterable[dict[str, Any]], size: int, rng: random.Random) -
     return chosen
 
 
-def check_conditions(space: SearchSpace, base_tree: dict[str, Any]) -> None:
+def check_conditions_hold(space: SearchSpace, base_tree: dict[str, Any]) -> None:
     """SpaceError for a knob whose ``when`` no trial meets (a mistyped value would drop the knob unsaid): a
     key searched over choices must be able to take an allowed value; a key not searched must have one."""
     searched = {dim.key: dim for dim in space.dims}
@@ -126,8 +126,9 @@ def check_conditions(space: SearchSpace, base_tree: dict[str, Any]) -> None:
             if over is None:
                 value = get_dotted(base_tree, key)
                 takes, possible = f"is {value!r} in every trial (the base config)", (value,)
-            elif over.kind == "values":
-                takes, possible = f"is searched over {list(over.values)}", over.values
+            elif over.kind == "values":  # where its own when does not hold, it keeps the base config's value
+                possible = (*over.values, get_dotted(base_tree, key)) if over.when else over.values
+                takes = f"is searched over {list(over.values)}"
             else:
                 continue  # a range: any value of it may meet the condition
             if not any(same_value(value, allowed) for value in possible):
@@ -137,7 +138,7 @@ def check_conditions(space: SearchSpace, base_tree: dict[str, Any]) -> None:
 
 def check_space(space: SearchSpace, base_tree: dict[str, Any], checker: TrialChecker, seed: int) -> list[Candidate]:
     """Every knob value checked in combination; raise SpaceError for a space that cannot work."""
-    check_conditions(space, base_tree)
+    check_conditions_hold(space, base_tree)
     combos = _reservoir(space.combinations(base_tree, Dimension.check_points), MAX_CHECKED, random.Random(seed))
     results = [checker.check(combo) for combo in combos]
     where = " + ".join(space.sources)
@@ -162,6 +163,14 @@ def check_space(space: SearchSpace, base_tree: dict[str, Any], checker: TrialChe
 def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, num_samples: int | None,
                 seed: int) -> TrialPlan:
     checker = TrialChecker(space, base_tree)
+    finite = searcher == "random" and all(dim.kind == "values" for dim in space.dims)
+    if finite:
+        distinct = len(_take(space.combinations(base_tree, Dimension.grid_points), num_samples))
+        if distinct < num_samples:
+            raise SpaceError(
+                f"random search over {' + '.join(space.sources)}: its knobs' choices make {distinct} "
+                f"configurations, fewer than tune.num_samples={num_samples}, so trials would repeat; use "
+                "tune.searcher=grid (each once), fewer samples, or search run.seed to repeat them on purpose")
     checked = check_space(space, base_tree, checker, seed)
     if searcher == "grid":
         combos = _take(space.combinations(base_tree, Dimension.grid_points), MAX_GRID + 1)
@@ -175,19 +184,19 @@ def plan_trials(space: SearchSpace, base_tree: dict[str, Any], searcher: str, nu
             checked=len(checked), candidates=_valid([*checked, *results]),
         )
     if searcher == "random":
-        if all(dim.kind == "values" for dim in space.dims):  # finite: more samples than configurations repeat some
-            distinct = len(_take(space.combinations(base_tree, Dimension.grid_points), num_samples))
-            if distinct < num_samples:
-                raise SpaceError(
-                    f"random search over {' + '.join(space.sources)}: its knobs' choices make {distinct} "
-                    f"configurations, fewer than tune.num_samples={num_samples}, so trials would repeat; use "
-                    "tune.searcher=grid (each once), fewer samples, or search run.seed to repeat them on purpose")
         rng = random.Random(seed)
         plan = TrialPlan(variants=[], checked=len(checked), candidates=_valid(checked))
+        drawn: set[str] = set()
         for _ in range(SAMPLE_ATTEMPTS * num_samples):
             if len(plan.variants) == num_samples:
                 break
-            candidate = checker.check(space.sample(base_tree, rng))
+            sampled = space.sample(base_tree, rng)
+            if finite:  # choices only: each configuration once, as a grid takes it (a repeat trains it again)
+                configuration = json.dumps(space.active_assignment(sampled, base_tree), sort_keys=True, default=str)
+                if configuration in drawn:
+                    continue
+                drawn.add(configuration)
+            candidate = checker.check(sampled)
             if candidate.problem:
                 plan.pruned.append({"knobs": candidate.knobs, "reason": candidate.problem})
             else:

@@ -107,8 +107,8 @@ def _check_settings(cfg: ExperimentConfig, space: SearchSpace) -> None:
             "run.seed to repeat with other seeds, or use tune.searcher=random or tpe"
         )
     if tune.scheduler == "asha" and report.EPOCHS_KEY in space.keys:
-        raise SpaceError(f"{report.EPOCHS_KEY} is searched, but ASHA compares trials at the same epochs, up to one budget for "
-                         "all; use tune.scheduler=fifo")
+        raise SpaceError(f"{report.EPOCHS_KEY} is searched, but ASHA compares trials at the same epochs, up to one "
+                         "budget for all; use tune.scheduler=fifo")
     if tune.scheduler == "asha" and tune.grace_period >= cfg.optim.epochs:
         raise SpaceError(
             f"tune.grace_period={tune.grace_period} must be < optim.epochs={cfg.optim.epochs} for ASHA to stop any "
@@ -273,7 +273,8 @@ def _sweep_params(sweep: Sweep, max_concurrent: int, need: TrialResources) -> di
     params.update({
         "space": sweep.space.name, "space_files": ", ".join(sweep.space.sources),
         "searched_keys": ", ".join(sweep.space.keys), "derive": ", ".join(r.name for r in sweep.space.derive) or "none",
-        "tune.mode": cfg.tune.mode, "model.name": cfg.model.name, "optim.epochs": cfg.optim.epochs,
+        "tune.mode": cfg.tune.mode, "model.name": cfg.model.name,
+        "optim.epochs": "searched" if report.EPOCHS_KEY in sweep.space.keys else cfg.optim.epochs,
         "trial_resources": need.describe(cfg), "max_concurrent_trials_effective": max_concurrent,
         "trials_planned": len(sweep.plan.variants) if cfg.tune.searcher != "tpe" else cfg.tune.num_samples,
         "combinations_checked": sweep.plan.checked,
@@ -382,9 +383,10 @@ def describe_sweep(sweep: Sweep) -> str:
               f" The chart view plots {cfg.tune.metric} against each knob; a parallel-coordinates chart needs "
               f"{view.PARALLEL_MIN_TRIALS} trials or more.")
     searched = {"grid": "A grid", "random": "Random search", "tpe": "Optuna TPE"}[cfg.tune.searcher]
+    epochs = "its searched epochs" if report.EPOCHS_KEY in sweep.space.keys else counted(cfg.optim.epochs, "epoch")
     return (f"Sweep **{sweep.space.name}**: {description}. {searched} over "
             f"{', '.join(f'`{key}`' for key in sweep.space.keys)} ({counted(trials, 'trial')}, {cfg.tune.scheduler}), "
-            f"{cfg.model.name}, {counted(cfg.optim.epochs, 'epoch')} each, optimising {cfg.tune.metric} ({cfg.tune.mode})."
+            f"{cfg.model.name}, {epochs} each, optimising {cfg.tune.metric} ({cfg.tune.mode})."
             + charts)
 
 

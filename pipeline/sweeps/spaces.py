@@ -498,12 +498,12 @@ def parse_space(text: str, name: str, where: str) -> SearchSpace:
         if key in space.fixed:
             raise SpaceError(f"{where}: {key} is both fixed and searched; keep one")
         dims.append(_dimension(key, spec))
-    _check_conditions(dims, where)
+    _check_condition_order(dims, where)
     return SearchSpace(name=name, description=space.description.strip(), fixed=dict(space.fixed), dims=tuple(dims),
                        derive=_derivations(space.derive), parts=((name, where, text),))
 
 
-def _check_conditions(dims: list[Dimension], where: str) -> None:
+def _check_condition_order(dims: list[Dimension], where: str) -> None:
     seen = set()
     searched = {d.key for d in dims}
     for dim in dims:
@@ -544,7 +544,7 @@ def combine(spaces: list[SearchSpace]) -> SearchSpace:
     if clash:
         key = sorted(clash)[0]
         raise SpaceError(f"{key} is fixed in one space and searched in another ({owner[key]})")
-    _check_conditions(dims, " + ".join(source for space in spaces for source in space.sources))
+    _check_condition_order(dims, " + ".join(source for space in spaces for source in space.sources))
     return SearchSpace(
         name="+".join(s.name for s in spaces), description=" + ".join(s.description for s in spaces if s.description),
         fixed=fixed, dims=tuple(dims), derive=tuple(derive), parts=tuple(p for s in spaces for p in s.parts),

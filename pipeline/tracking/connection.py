@@ -84,6 +84,11 @@ def is_new_local_store(uri: str) -> bool:
     return uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
 
 
+def is_missing_local_store(uri: str) -> bool:
+    """A local store (``sqlite:///``, ``file://``, a bare path) that does not exist: opening it creates it."""
+    return is_local_store(uri) and not Path(uri.removeprefix("sqlite:///").removeprefix("file://")).exists()
+
+
 def local_artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store live beside its file; MLflow's default would be ./mlruns in
     whatever directory the process runs from. A server decides for itself (None)."""

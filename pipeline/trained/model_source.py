@@ -8,9 +8,11 @@ shown with the ``kind`` it resolves as and the weights read:
   ``ema``: ``model_ema.safetensors``); a run whose newest checkpoint has none has not finished.
 - ``checkpoint_dir``: a checkpoint directory vitsweep wrote: its final weights where it has them,
   else its DeepSpeed state (ZeRO 1-3 consolidated by DeepSpeed's ``zero_to_fp32``; EMA: the
-  client state's).
+  client state's). Only the run's newest, final checkpoint is its logged model; an earlier one is
+  ``before_end``, with no ``model_id``.
 - ``safetensors``: a ``.safetensors`` file, with its card where vitsweep wrote one into its metadata (a
-  run's saved ``model.init_from`` or teacher, ``pipeline.trained.transfer.save_source``); ``state_dict``:
+  run's saved ``model.init_from`` or teacher, ``pipeline.trained.transfer.save_source``) or, for a
+  checkpoint's own weights file, its checkpoint's; ``state_dict``:
   any other file, a torch state dict (bare, or under timm's ``state_dict`` / ``model``; EMA:
   ``state_dict_ema`` / ``model_ema``) loaded with ``torch.load(weights_only=True)``.
 - ``mlflow_run``: ``runs:/<run_id>/<name>`` (a logged model's name; ``model``: the run's own, whatever its
@@ -21,6 +23,8 @@ shown with the ``kind`` it resolves as and the weights read:
 - ``mlflow_model_dir``: such an MLflow model downloaded (a directory with its ``MLmodel``): the same
   files, read in place (``read_logged_model_directory``; the model's pyfunc loads itself this way).
 
+A run directory records its MLflow store by an absolute path; when that store is gone (the project
+moved), or a downloaded model names no store, its run is looked up in the given store instead.
 An existing path is taken as a path; a bare name that is not one is looked up as a run. Nothing
 is written: MLflow files are downloaded into a temporary directory, read, and removed; a local
 MLflow store that does not exist is refused rather than created. Anything that does not resolve
@@ -51,7 +55,7 @@ from pipeline.errors import InvalidInputError
 from pipeline.components.model_card import MLFLOW_METADATA_KEY, SAFETENSORS_CARD_KEY, ModelCard
 from pipeline.components.modeling import build_model, checked_model
 from pipeline.tracking.store import FORMER_MODEL_NAME, LOGGED_MODEL_FILES, RUN_RECORD, read_run_record, run_model_id
-from pipeline.tracking.connection import is_local_store, is_new_local_store, open_client, require_reachable
+from pipeline.tracking.connection import is_local_store, is_missing_local_store, open_client, require_reachable
 
 SourceKind = Literal["run_name", "run_dir", "checkpoint_dir", "safetensors", "state_dict", "mlflow_run",
                      "logged_model", "registered_model", "mlflow_model_dir"]
@@ -75,6 +79,7 @@ class Provenance:
     the run directory's ``mlflow_run.json``). ``model_id``: its MLflow 3 logged model (``m-...``).
     ``registered_name`` / ``registered_version`` / ``registered_alias``: the model registry entry a
     ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` source named (the version is resolved for an alias too).
+    ``before_end``: a checkpoint from before its run's end, whose weights are no logged model (``model_id`` None).
     """
 
     given: str
@@ -88,6 +93,7 @@ class Provenance:
     registered_name: str | None = None
     registered_version: str | None = None
     registered_alias: str | None = None
+    before_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,24 +143,25 @@ def resolve_model_source(given: str, *, storage_path: str | Path, tracking_uri: 
         return _mlflow_source(given, tracking_uri, ema)
     if uris.is_uri(given):
         raise InvalidInputError(f"model source {given!r}: a URI other than runs:/ or models:/; a source is {FORMS}")
-    return _lineage_where_it_is_now(_local_source(given, storage_path, ema), tracking_uri)
+    return _relocated_lineage(_local_source(given, storage_path, ema), tracking_uri)
 
 
-def _lineage_where_it_is_now(source: ModelSource, tracking_uri: str) -> ModelSource:
+def _relocated_lineage(source: ModelSource, tracking_uri: str) -> ModelSource:
     """A run directory's record names its MLflow store by an absolute path, which a project moved or renamed
     since leaves pointing at nothing (and opening it would create an empty store there); a downloaded MLflow
-    model names its run but no store. The run is then looked for in the local store at ``tracking_uri`` (the
-    config's): found, its lineage follows it; else a gone store's lineage is dropped."""
+    model names its run but no store. The run is then looked for in the store at ``tracking_uri`` (the
+    config's, if it exists or answers): found, its lineage follows it; else a gone store's lineage is dropped."""
     lineage = source.provenance
-    gone = lineage.tracking_uri is not None and is_new_local_store(lineage.tracking_uri)
+    gone = lineage.tracking_uri is not None and is_missing_local_store(lineage.tracking_uri)
     if not (gone or (lineage.run_id and lineage.tracking_uri is None)):
         return source
-    if lineage.run_id and is_local_store(tracking_uri) and not is_new_local_store(tracking_uri):
+    if lineage.run_id and not is_missing_local_store(tracking_uri):
         try:
+            require_reachable(tracking_uri)
             run = open_client(tracking_uri).get_run(lineage.run_id)
             return replace(source, provenance=replace(lineage, tracking_uri=tracking_uri,
                                                       experiment_id=run.info.experiment_id))
-        except MlflowException:
+        except (InvalidInputError, MlflowException):  # unreachable, or no such run there
             pass
     return replace(source, provenance=replace(lineage, tracking_uri=None, experiment_id=None, run_id=None,
                                               model_id=None)) if gone else source
@@ -190,7 +197,7 @@ def _directory_source(given: str, directory: Path, ema: bool) -> ModelSource:
         newest = [path.resolve() for path in checkpoints_newest_first(directory.parent)[:1]]
         if not (newest == [directory.resolve()] and (directory / WEIGHTS_FILE).is_file()):
             # an earlier epoch's weights: not the logged model the run record names, which holds the final ones
-            provenance = replace(provenance, model_id=None)
+            provenance = replace(provenance, model_id=None, before_end=True)
         return ModelSource(weights, card, provenance)
     if (directory / RUN_RECORD).is_file() or checkpoints_newest_first(directory):
         return _run_source(given, directory, "run_dir", ema)
@@ -367,8 +374,8 @@ def _mlflow_source(given: str, tracking_uri: str, ema: bool) -> ModelSource:
 def _open_store(given: str, tracking_uri: str):
     """A client of the store; a local store must exist already (opening one creates it)."""
     if is_local_store(tracking_uri):
-        location = Path(tracking_uri.removeprefix("sqlite:///").removeprefix("file://"))
-        if not location.exists():
+        if is_missing_local_store(tracking_uri):
+            location = Path(tracking_uri.removeprefix("sqlite:///").removeprefix("file://"))
             raise InvalidInputError(f"model source {given!r}: there is no MLflow store at {tracking_uri} "
                                     f"({location} does not exist)")
     else:

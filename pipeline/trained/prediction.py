@@ -26,6 +26,10 @@ DEFAULT_TOPK = 5  # at most: a model with fewer classes gives them all (as timm'
 BATCH_SIZE = 64  # images per forward pass
 
 
+def default_topk(num_classes: int) -> int:
+    return min(DEFAULT_TOPK, num_classes)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """One image's ``k`` most probable classes, best first: index, name and softmax probability."""
@@ -56,27 +60,23 @@ class ImageClassifier:
             preprocessing = source.card.preprocessing
         return cls(model, source.card, preprocessing)
 
-    @property
-    def default_topk(self) -> int:
-        return min(DEFAULT_TOPK, self.card.num_classes)
-
-    def check_topk(self, topk: int | None) -> int:
+    def resolve_topk(self, topk: int | None) -> int:
         """``topk`` if the model has that many classes (``None``: ``default_topk``)."""
         if topk is None:
-            return self.default_topk
+            return default_topk(self.card.num_classes)
         if not 1 <= topk <= self.card.num_classes:
             raise InvalidInputError(f"top-k {topk}: the model has {self.card.num_classes} classes; give 1.."
                                     f"{self.card.num_classes}")
         return topk
 
-    def check_size(self, image: np.ndarray, name: str) -> np.ndarray:
+    def check_croppable(self, image: np.ndarray, name: str) -> np.ndarray:
         """``image`` if its center crop is at least a pixel (UnreadableImageError naming it, before any batch)."""
         center_crop_side(image, self.preprocessing.crop_ratio, name)
         return image
 
     def classify(self, images: Sequence[np.ndarray], topk: int | None = None) -> list[Prediction]:
         """The ``topk`` (``None``: ``default_topk``) most probable classes of each HxWx3 uint8 RGB image."""
-        topk = self.check_topk(topk)
+        topk = self.resolve_topk(topk)
         found = []
         p = self.preprocessing
         for start in range(0, len(images), BATCH_SIZE):
@@ -117,13 +117,13 @@ def image_files(inputs: Sequence[str]) -> list[Path]:
 def classify_files(classifier: ImageClassifier, files: Sequence[Path], topk: int | None = None
                    ) -> Iterator[tuple[Path, Prediction | UnreadableImageError]]:
     """Each file with its prediction, or the error that names why it is not a readable image."""
-    topk = classifier.check_topk(topk)
+    topk = classifier.resolve_topk(topk)
     for start in range(0, len(files), BATCH_SIZE):
         chunk, readable = files[start:start + BATCH_SIZE], {}
         outcomes: dict[Path, Prediction | UnreadableImageError] = {}
         for path in chunk:
             try:
-                readable[path] = classifier.check_size(read_image(path), repr(str(path)))
+                readable[path] = classifier.check_croppable(read_image(path), repr(str(path)))
             except UnreadableImageError as err:
                 outcomes[path] = err
         predictions = classifier.classify(list(readable.values()), topk) if readable else []

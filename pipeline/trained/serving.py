@@ -42,7 +42,7 @@ from pipeline.console import library_prints
 from pipeline.data.images import UnreadableImageError, as_rgb_array, decode_image
 from pipeline.errors import InvalidInputError
 from pipeline.trained.model_source import MLMODEL_FILE, read_logged_model_directory
-from pipeline.trained.prediction import DEFAULT_TOPK, ImageClassifier
+from pipeline.trained.prediction import DEFAULT_TOPK, ImageClassifier, default_topk
 from pipeline.tracking.connection import fluent_tracking_uri
 from pipeline.tracking.store import MODEL_ID_TAG, MlflowRun, logged_model_name
 
@@ -58,7 +58,7 @@ def signature(card: ModelCard) -> ModelSignature:
         inputs=Schema([ColSpec(DataType.binary, INPUT_COLUMN)]),
         outputs=Schema([ColSpec(Array(DataType.string), "labels"), ColSpec(Array(DataType.double), "probabilities"),
                         ColSpec(Array(DataType.long), "classes")]),
-        params=ParamSchema([ParamSpec(TOPK_PARAM, DataType.long, min(DEFAULT_TOPK, card.num_classes))]),
+        params=ParamSchema([ParamSpec(TOPK_PARAM, DataType.long, default_topk(card.num_classes))]),
     )
 
 
@@ -133,9 +133,11 @@ class ImagePyfunc:
 
     def predict(self, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         topk = (params or {}).get(TOPK_PARAM)
-        topk = None if topk is None else int(topk)
+        # MLflow fills in the signature's default, and a model logged before it followed the class count says 5:
+        # 5 is the default (up to 5), as an explicit request of 5 cannot be told from it
+        topk = None if topk is None or int(topk) == DEFAULT_TOPK else int(topk)
         try:
-            images = [self.classifier.check_size(_image(value, f"row {row}"), f"row {row}")
+            images = [self.classifier.check_croppable(_image(value, f"row {row}"), f"row {row}")
                       for row, value in enumerate(model_input[INPUT_COLUMN])]
             predictions = self.classifier.classify(images, topk)
         except InvalidInputError as err:  # a bad image or top-k: the caller's error (HTTP 400 when served)
