@@ -96,6 +96,10 @@ INVALID = [
     ("override_into_a_value", ["optim.lr.value=1"], "optim.lr"),
     ("ema_decay_of_one", ["optim.ema_decay=1.0"], "optim.ema_decay"),
     ("ema_with_zero_stage_3", ["optim.ema_decay=0.999", "deepspeed.zero_stage=3"], "ema_decay"),
+    # a score no epoch reports: Ray would log an error to the run's log and keep arbitrary checkpoints
+    ("checkpoint_score_no_epoch_reports", ["run.checkpoint_score=val_acc"], "'val_acc' is no metric an epoch reports"),
+    ("checkpoint_score_of_the_ema_without_one", ["run.checkpoint_score=val_top1_ema"],
+     "run.checkpoint_score names the EMA's val_top1_ema, but optim.ema_decay is null"),
 ]
 
 

@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 from pipeline import uris
 from pipeline.config.fields import (SECRET_VALUE_ERROR, Section, check_directory, check_file, check_location,
     check_registered)
-from pipeline.config.specs import MetricTarget, profiled_steps
+from pipeline.config.specs import MetricTarget, ReportedMetric, profiled_steps
 from pipeline.uris import uri_password_problem
 
 
@@ -376,7 +376,7 @@ class RunConfig(Section):
     checkpoint_every: int = Field(1, ge=1)  # epochs between checkpoints
     checkpoint_every_steps: int | None = Field(None, ge=1)  # also within epochs (a restart resumes mid-epoch)
     num_to_keep: int = Field(2, ge=1)
-    checkpoint_score: str = "val_top1"
+    checkpoint_score: ReportedMetric = "val_top1"
     max_failures: int = Field(0, ge=-1)  # -1: retry forever
     # Steps between logging steps, each one all_gather of the step-health window (the divergence check,
     # the progress line, the health/ step metrics): syncing the host with the device every step would stall the GPU.
@@ -556,12 +556,12 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _target_is_reported(self) -> ExperimentConfig:
-        target = self.run.target
-        if target is not None and target.metric.endswith("_ema") and self.optim.ema_decay is None:
-            raise ValueError(f"run.target_metric={self.run.target_metric!r} names the EMA's {target.metric}, but "
-                             "optim.ema_decay is null (no EMA); set optim.ema_decay or target "
-                             f"{target.metric.removesuffix('_ema')}")
+    def _ema_metrics_are_reported(self) -> ExperimentConfig:
+        target, score = self.run.target.metric if self.run.target else "", self.run.checkpoint_score
+        for key, metric in (("target_metric", target), ("checkpoint_score", score)):
+            if metric.endswith("_ema") and self.optim.ema_decay is None:
+                raise ValueError(f"run.{key} names the EMA's {metric}, but optim.ema_decay is null (no EMA); set "
+                                 f"optim.ema_decay or use {metric.removesuffix('_ema')}")
         return self
 
     @model_validator(mode="after")

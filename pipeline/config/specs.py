@@ -1,13 +1,15 @@
-"""The short text specs some config values hold, parsed: ``run.profile``'s ``steps:N`` and
-``run.target_metric``'s ``METRIC>=VALUE``. Each parser's ValueError says what is accepted; the schema
-(``pipeline.config.schema``) turns it into the config error naming the key.
+"""The short text specs some config values hold, parsed: ``run.profile``'s ``steps:N``,
+``run.target_metric``'s ``METRIC>=VALUE`` and ``run.checkpoint_score``'s metric. Each parser's
+ValueError says what is accepted; the schema (``pipeline.config.schema``) turns it into the config
+error naming the key.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import AfterValidator
 
 # A trace holds every op with its shapes and memory events: a ZeRO-2 step of the smoke model on CPU is
 # ~23 MB of JSON (DeepSpeed's per-parameter copies); past a few hundred MB, Perfetto in a browser tab struggles.
@@ -23,9 +25,24 @@ def profiled_steps(spec: str) -> int:
     return int(count)
 
 
-# The epoch metrics a run reports that a target may name (the EMA's beside them where there is one).
+# The epoch metrics a run reports that a target or a checkpoint's score may name (the EMA's beside them where
+# there is one).
 TARGET_METRICS = ("val_top1", "val_top5", "val_loss", "train_loss")
+REPORTED_METRICS = (*TARGET_METRICS, *(f"{name}_ema" for name in TARGET_METRICS if name.startswith("val_")))
+# What else every epoch reports (pipeline.training.worker), by which a checkpoint may be scored too
+OTHER_EPOCH_METRICS = ("lr", "epoch", "images_per_sec", "tflops_per_sec", "epoch_time_s")
 TARGET_OPERATORS = (">=", "<=")
+
+
+def check_reported_metric(name: str) -> str:
+    """A metric each epoch reports (``run.checkpoint_score``: Ray would score every checkpoint -inf, unsaid)."""
+    if name not in (*REPORTED_METRICS, *OTHER_EPOCH_METRICS):
+        raise ValueError(f"{name!r} is no metric an epoch reports; give one of "
+                         f"{', '.join((*REPORTED_METRICS, *OTHER_EPOCH_METRICS))}")
+    return name
+
+
+ReportedMetric = Annotated[str, AfterValidator(check_reported_metric)]
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,7 @@ class MetricTarget:
             if found:
                 break
         metric = metric.strip()
-        known = [*TARGET_METRICS, *(f"{name}_ema" for name in TARGET_METRICS if name.startswith("val_"))]
+        known = REPORTED_METRICS
         try:
             value = float(number) if found else math.nan
         except ValueError:
