@@ -179,3 +179,24 @@ def test_a_depth_without_blocks_exits_2_naming_the_key_and_the_valid_range(capsy
     code, message = _validate(capsys, f"model.name={model}", f"model.args.depth={depth}", "model.img_size=32")
     assert code == EXIT_INVALID_INPUT
     assert f"depth={depth} is out of range for {model}" in message and "integer >= 1" in message
+
+
+def test_a_train_and_val_whose_labels_name_other_classes_exit_2_before_ray(digits16, tmp_path, capsys):
+    """`data write --classes 6,7,...` labels in the order given: the same classes in another order for the
+    val split would score every 6 as a 7 and back, with equal class counts."""
+    import json
+    import shutil
+
+    from conftest import refused_in_process, train_command
+    from pipeline.data.sidecar import sidecar_path
+
+    val = tmp_path / "val.beton"
+    shutil.copy(digits16["val"], val)
+    sidecar = json.loads(sidecar_path(digits16["val"]).read_text())
+    classes = sidecar["classes"]
+    classes[6], classes[7] = classes[7], classes[6]
+    sidecar["counts_per_class"] = {name: sidecar["counts_per_class"][name] for name in classes}
+    sidecar_path(val).write_text(json.dumps(sidecar))
+    err = refused_in_process(train_command(tmp_path / "runs", {"train": digits16["train"], "val": val})[1:], capsys)
+    assert "label 6 is class '6' in data.train but '7' in data.val (2 label(s) differ)" in err
+    assert not (tmp_path / "runs").exists()

@@ -161,6 +161,13 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
             f"data.train has {sidecars['train'].num_classes} classes but data.val has "
             f"{sidecars['val'].num_classes}; they must come from the same dataset"
         )
+    named = [(label, train, val) for label, (train, val) in enumerate(zip(sidecars["train"].classes,
+                                                                          sidecars["val"].classes)) if train != val]
+    if named:  # `data write --classes` labels in the order given: the same classes in another order swap labels
+        label, train, val = named[0]
+        raise InvalidInputError(
+            f"label {label} is class {train!r} in data.train but {val!r} in data.val ({len(named)} label(s) differ); "
+            "write both splits with the same classes in the same order")
     return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes,
                         sidecars["train"].sha256, sidecars["val"].sha256, tuple(sidecars["train"].classes))
 
