@@ -87,6 +87,21 @@ def test_inspect_of_a_truncated_file_exits_2_naming_it(tmp_path, capsys):
     assert "d.beton" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, given, message", [
+    ("--grid", "samples", "--grid {path}: name an image file (.png, .jpg, ...)"),  # no suffix: Pillow has no format
+    ("--grid", "grid.txt", "--grid {path}: name an image file"),
+    ("--export", "a-file/samples", "--export: '{path.parent}' is a file, so nothing can exist below it"),
+])
+def test_inspect_refuses_an_output_it_cannot_write_before_reading_the_file(tmp_path, capsys, flag, given, message):
+    (tmp_path / "a-file").write_text("not a directory")
+    path = tmp_path / given
+    # the dataset is not even opened: the refusal comes first (a missing file would be the other error)
+    assert main(["data", "inspect", str(tmp_path / "absent.beton"), flag, str(path)]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert message.format(path=path) in err and "absent.beton" not in err, err
+    assert not path.exists()
+
+
 def test_stage_prints_the_local_copy_of_a_uri(tmp_path, capsys):
     beton = tmp_path / "d.beton"
     assert main(["data", "write", "digits", str(beton), "--split", "val", "--img-size", "8", "--workers", "1"]) == EXIT_OK

@@ -138,6 +138,8 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from PIL import Image
+
     from pipeline.data.inspection import decode_samples, export_samples, sample_grid, spread_indices
     from pipeline.data.integrity import check_beton
     from pipeline.uris import location_problem
@@ -154,8 +156,10 @@ def _inspect(args: argparse.Namespace) -> int:
     if problem:
         raise InvalidInputError(f"FILE.beton: {problem}")
     grid_path = Path(args.grid) if args.grid else None
-    if grid_path is not None:
-        check_can_create(files={"--grid": grid_path})
+    if grid_path is not None and grid_path.suffix.lower() not in Image.registered_extensions():
+        raise InvalidInputError(f"--grid {args.grid}: name an image file (.png, .jpg, ...): its suffix says the format")
+    check_can_create(directories={"--export": export} if export is not None else None,
+                     files={"--grid": grid_path} if grid_path is not None else None)
     sidecar = check_beton(args.file, verify_checksum=not args.no_checksum)
     size = sidecar.image_size
     print(f"file      {args.file}")
