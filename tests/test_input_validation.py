@@ -200,3 +200,27 @@ def test_a_train_and_val_whose_labels_name_other_classes_exit_2_before_ray(digit
     err = refused_in_process(train_command(tmp_path / "runs", {"train": digits16["train"], "val": val})[1:], capsys)
     assert "label 6 is class '6' in data.train but '7' in data.val (2 label(s) differ)" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_set_too_small_for_one_optimizer_step_per_worker_exits_2_before_ray(digits16, tmp_path, capsys):
+    """1,437 images on 2 workers: 719 each (DistributedSampler's ceil), 2 whole micro-batches of 256, fewer than
+    the 4 a step accumulates: the workers' loaders would have no step to train."""
+    from conftest import refused_in_process, train_command
+
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "optim.micro_batch_size=256",
+                                           "optim.grad_accum_steps=4", "scaling.num_workers=2")[1:], capsys)
+    assert ("data.train's 1437 images make no optimizer step on each of 2 worker(s): a step takes 256 x 4 "
+            "(optim.micro_batch_size x grad_accum_steps) of its share") in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_steps_counted_before_training_are_the_loaders_own(digits16):
+    """``train_steps_per_epoch`` against ffcv's loader itself (one process: the whole set, whole batches)."""
+    from pipeline.data.loaders import build_train_loader, train_steps_per_epoch
+    from pipeline.data.sidecar import read_sidecar
+
+    data = load_config("smoke").data
+    images = read_sidecar(digits16["train"]).num_samples
+    for batch, per_step in ((32, 1), (100, 3), (500, 3)):
+        loader = build_train_loader(data, digits16["train"], batch, 16, "cpu", batches_per_step=per_step)
+        assert train_steps_per_epoch(images, data, batch, per_step, 1) == len(loader) // per_step

@@ -13,6 +13,8 @@ The first epoch of each Loader JIT-compiles its pipeline (seconds); later epochs
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -224,6 +226,16 @@ def build_val_loader(
         device=torch.device(device),
     )
     return ValLoader(loader, rank_sample_count(sidecar.num_samples, rank, world_size))
+
+
+def train_steps_per_epoch(num_samples: int, data: DataConfig, batch_size: int, batches_per_step: int,
+                          world_size: int) -> int:
+    """The optimizer steps of a training epoch on each rank, counted as ``build_train_loader``'s loader counts
+    them, before it exists: the rank's share (DistributedSampler's ceil(N/W); repeated augmentation's N // W),
+    its batches (whole ones with ``data.drop_last``), their whole steps."""
+    share = num_samples // world_size if data.repeated_augmentation else math.ceil(num_samples / world_size)
+    batches = share // batch_size if data.drop_last else math.ceil(share / batch_size)
+    return batches // batches_per_step
 
 
 def rank_sample_count(num_samples: int, rank: int, world_size: int) -> int:

@@ -42,6 +42,7 @@ from pipeline import interrupts, uris
 from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
     checkpoint_score_order, checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config.schema import ExperimentConfig, ModelConfig
+from pipeline.data.loaders import train_steps_per_epoch
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.components.distillation import build_teacher
@@ -168,6 +169,12 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
         raise InvalidInputError(
             f"label {label} is class {train!r} in data.train but {val!r} in data.val ({len(named)} label(s) differ); "
             "write both splits with the same classes in the same order")
+    optim, workers, images = cfg.optim, cfg.scaling.num_workers, sidecars["train"].num_samples
+    if train_steps_per_epoch(images, cfg.data, optim.micro_batch_size, optim.grad_accum_steps, workers) < 1:
+        raise InvalidInputError(
+            f"data.train's {images} images make no optimizer step on each of {workers} worker(s): a step takes "
+            f"{optim.micro_batch_size} x {optim.grad_accum_steps} (optim.micro_batch_size x grad_accum_steps) of its "
+            "share; lower them, use fewer workers, or write more images")
     return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes,
                         sidecars["train"].sha256, sidecars["val"].sha256, tuple(sidecars["train"].classes))
 
