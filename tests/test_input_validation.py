@@ -224,3 +224,14 @@ def test_the_steps_counted_before_training_are_the_loaders_own(digits16):
     for batch, per_step in ((32, 1), (100, 3), (500, 3)):
         loader = build_train_loader(data, digits16["train"], batch, 16, "cpu", batches_per_step=per_step)
         assert train_steps_per_epoch(images, data, batch, per_step, 1) == len(loader) // per_step
+
+
+def test_more_decoding_threads_than_this_machine_runs_exit_2_before_a_local_ray(digits16, tmp_path, capsys):
+    import numba
+
+    from conftest import refused_in_process, train_command
+
+    err = refused_in_process(train_command(tmp_path / "runs", digits16, "data.num_workers=256")[1:], capsys)
+    assert (f"data.num_workers=256 exceeds the {numba.config.NUMBA_NUM_THREADS} decoding threads this node can run"
+            in err)
+    assert not (tmp_path / "runs").exists()

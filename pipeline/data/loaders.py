@@ -172,7 +172,7 @@ def build_train_loader(
     epoch a whole number of optimizer steps of ``batches_per_step`` batches (``optim.grad_accum_steps``)."""
     check_beton(path)
     _check_distributed(distributed, data.order)
-    _check_threads(data.num_workers)
+    check_decoding_threads(data.num_workers)
     # ffcv's order needs one seed on every rank; the augmentations should differ per rank.
     augment_seed = seed * 65_537 + (dist.get_rank() if distributed else 0)
     return DeviceLoader(
@@ -217,7 +217,7 @@ def build_val_loader(
     """Center-crop (``data.val_crop_ratio``) validation in file order; every sample once, nothing dropped."""
     sidecar = check_beton(path)
     _check_distributed(distributed, "sequential")
-    _check_threads(data.num_workers)
+    check_decoding_threads(data.num_workers)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     loader = DeviceLoader(
         str(path), batch_size=batch_size, num_workers=data.num_workers, os_cache=data.os_cache,
@@ -243,8 +243,9 @@ def rank_sample_count(num_samples: int, rank: int, world_size: int) -> int:
     return len(range(rank, num_samples, world_size))
 
 
-def _check_threads(num_workers: int) -> None:
-    # ffcv decodes on numba's thread pool, which cannot grow past NUMBA_NUM_THREADS (the CPU count).
+def check_decoding_threads(num_workers: int) -> None:
+    """``data.num_workers`` fits this node: ffcv decodes on numba's thread pool, which cannot grow past
+    NUMBA_NUM_THREADS (the CPU count). Checked by the loaders, and before a local Ray starts."""
     available = numba.config.NUMBA_NUM_THREADS
     if num_workers > available:
         raise InvalidInputError(

@@ -33,6 +33,7 @@ from pipeline.ray_connection import local_ray_resources, ray_address, start_ray
 from pipeline.training.jobs import check_paths_outlive_job
 from pipeline.errors import Interrupted, InvalidInputError
 from pipeline.training.locations import check_can_create, run_directories
+from pipeline.data.loaders import check_decoding_threads
 from pipeline.training.runs import ResolvedData, resolve_data
 from pipeline.sweeps import importance, plots, report, spend, summary, view
 from pipeline.sweeps.budget import BUDGET, BudgetedASHAScheduler, BudgetedFIFOScheduler, SweepBudget, recorded_budget
@@ -310,6 +311,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     if ray_address(address) == "local":  # a trial too large for the local Ray is refused before it starts
         local_trials_fitting(cfg, local_ray_resources(local_ray_cpus(cfg)))
+        check_decoding_threads(cfg.data.num_workers)
     try:
         start_ray(address, "tune", local_cpus=local_ray_cpus(cfg))
     except Interrupted:

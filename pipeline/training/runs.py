@@ -42,7 +42,7 @@ from pipeline import interrupts, uris
 from pipeline.components.checkpointing import (EMA_WEIGHTS_FILE, WEIGHTS_FILE, check_run_checkpoints, check_same_model,
     checkpoint_score_order, checkpoints_newest_first, model_identity, read_meta)
 from pipeline.config.schema import ExperimentConfig, ModelConfig
-from pipeline.data.loaders import train_steps_per_epoch
+from pipeline.data.loaders import check_decoding_threads, train_steps_per_epoch
 from pipeline.data.verification import verify_dataset
 from pipeline.data.prepare import prepare_offline_data
 from pipeline.components.distillation import build_teacher
@@ -292,6 +292,8 @@ def check_resources(cfg: ExperimentConfig, local: bool, have: dict[str, float]) 
     """The workers must fit the Ray cluster, which has ``have``: a local Ray that is too small is bad
     input (checked before it starts, ``local_ray_resources``); a cluster may grow (autoscaler), so the
     wait for it is announced and bounded by Ray Train's start timeout."""
+    if local:  # its workers' loaders decode on this machine's threads
+        check_decoding_threads(cfg.data.num_workers)
     scaling = cfg.scaling
     need = {"CPU": scaling.num_workers * scaling.cpus_per_worker,
             "GPU": scaling.num_workers * scaling.gpus_per_worker if scaling.use_gpu else 0.0}
