@@ -102,6 +102,23 @@ def test_inspect_refuses_an_output_it_cannot_write_before_reading_the_file(tmp_p
     assert not path.exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["{existing}"], "output '{existing}' already exists; pass --overwrite to replace it"),
+    (["{tmp}/out.tar"], "output '{tmp}/out.tar' must end in '.beton'"),
+    (["{tmp}/out.beton", "--per-class", "0"], "--per-class 0: need at least 1 image of each class"),
+])
+def test_write_refuses_its_own_arguments_before_it_opens_the_source(tmp_path, capsys, args, message):
+    """A source is scanned first (ImageNet: every image's header, minutes): an output or a count that cannot
+    work is refused before; the source given here does not even exist."""
+    existing = tmp_path / "done.beton"
+    existing.write_bytes(b"written before")
+    given = [arg.format(existing=existing, tmp=tmp_path) for arg in args]
+    assert main(["data", "write", str(tmp_path / "no-such-folder"), *given]) == EXIT_INVALID_INPUT
+    err = capsys.readouterr().err
+    assert message.format(existing=existing, tmp=tmp_path) in err and "no-such-folder" not in err, err
+    assert existing.read_bytes() == b"written before"
+
+
 def test_stage_prints_the_local_copy_of_a_uri(tmp_path, capsys):
     beton = tmp_path / "d.beton"
     assert main(["data", "write", "digits", str(beton), "--split", "val", "--img-size", "8", "--workers", "1"]) == EXIT_OK

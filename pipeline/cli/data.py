@@ -100,13 +100,15 @@ def _write(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from pipeline.data.sidecar import WriteOptions
-    from pipeline.data.sources import DIGITS, SubsetSource, open_source
-    from pipeline.data.writing import WriteFailedError, write_beton
+    from pipeline.data.sources import DIGITS, SubsetSource, check_per_class, open_source
+    from pipeline.data.writing import WriteFailedError, check_output, write_beton
     from pipeline.errors import InvalidInputError
     from pipeline.training.locations import check_can_create
 
     _user_facing()
     check_can_create(files={"OUT.beton": args.out})
+    check_output(args.out, args.overwrite)  # before the source is scanned (ImageNet: every image's header)
+    check_per_class(args.per_class)
     if args.img_size is not None and args.source != DIGITS:
         raise InvalidInputError(f"--img-size applies to {DIGITS!r} only; for {args.source!r} use --max-resolution")
     try:

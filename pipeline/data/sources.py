@@ -328,6 +328,11 @@ class DigitsSource(ImageSource):
         return f"digits {self.split} sample {index}"
 
 
+def check_per_class(per_class: int | None) -> None:
+    if per_class is not None and per_class < 1:
+        raise InvalidInputError(f"--per-class {per_class}: need at least 1 image of each class")
+
+
 class SubsetSource(ImageSource):
     """Some classes of another source and at most ``per_class`` images of each: a small, or few-shot,
     dataset from any source (e.g. a transfer task: pre-train on some digits, fine-tune on a few images
@@ -347,8 +352,7 @@ class SubsetSource(ImageSource):
                                     f"{', '.join(source.classes)}")
         if len(set(chosen)) != len(chosen):
             raise InvalidInputError(f"--classes {','.join(chosen)} names a class twice")
-        if per_class is not None and per_class < 1:
-            raise InvalidInputError(f"--per-class {per_class}: need at least 1 image of each class")
+        check_per_class(per_class)
         label_of = {source.classes.index(name): new for new, name in enumerate(chosen)}
         taken = np.zeros(len(chosen), dtype=np.int64)
         indices = []

@@ -56,6 +56,17 @@ class WriteFailedError(RuntimeError):
     """The write itself failed (a worker died); nothing was left at the target path."""
 
 
+def check_output(out: str | Path, overwrite: bool = False) -> Path:
+    """``out`` as a path a new ``.beton`` may be written to; InvalidInputError saying why not (checked before a
+    source is scanned, which may read every image's header)."""
+    out = Path(out).expanduser()
+    if out.suffix != BETON_SUFFIX:
+        raise InvalidInputError(f"output {str(out)!r} must end in {BETON_SUFFIX!r}")
+    if out.exists() and not overwrite:
+        raise InvalidInputError(f"output {str(out)!r} already exists; pass --overwrite to replace it")
+    return out
+
+
 def write_beton(
     source: ImageSource,
     out: str | Path,
@@ -65,11 +76,7 @@ def write_beton(
 ) -> Sidecar:
     """Write ``source`` to ``out`` with ``num_workers`` processes (default: every CPU); returns the sidecar."""
     options = options or WriteOptions()
-    out = Path(out).expanduser()
-    if out.suffix != BETON_SUFFIX:
-        raise InvalidInputError(f"output {str(out)!r} must end in {BETON_SUFFIX!r}")
-    if out.exists() and not overwrite:
-        raise InvalidInputError(f"output {str(out)!r} already exists; pass --overwrite to replace it")
+    out = check_output(out, overwrite)
     if len(source) == 0:
         raise InvalidInputError(f"source {source.location!r} holds no images")
     _check_labels(source)
