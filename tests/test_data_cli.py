@@ -139,6 +139,27 @@ def test_prepare_digits_writes_train_and_val_once(tmp_path):
     assert (train.stat().st_mtime_ns, val.stat().st_mtime_ns) == stamps
 
 
+def test_prepare_digits_refuses_files_it_wrote_at_another_size_or_of_another_source(tmp_path):
+    """A run at another model.img_size than the first must not train on the first run's images."""
+    data = DataConfig(train=str(tmp_path / "train.beton"), val=str(tmp_path / "val.beton"), prepare="digits")
+    train, val = prepare_digits(data, img_size=8, num_workers=1)
+    stamps = (train.stat().st_mtime_ns, val.stat().st_mtime_ns)
+    with pytest.raises(InvalidInputError) as refused:
+        prepare_digits(data, img_size=12)
+    assert str(refused.value) == (
+        f"data.prepare='digits' finds data.train={str(train)!r} written at 8 px, but model.img_size is 12: point "
+        "data.train and data.val at new files (e.g. digits_12_train.beton), or remove these")
+    assert (train.stat().st_mtime_ns, val.stat().st_mtime_ns) == stamps
+    folder = tmp_path / "folder"
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(folder / name / "0.png")
+    assert main(["data", "write", str(folder), str(tmp_path / "pets.beton"), "--workers", "1"]) == EXIT_OK
+    pets = DataConfig(train=str(tmp_path / "pets.beton"), val=str(val), prepare="digits")
+    with pytest.raises(InvalidInputError, match="pets.beton' holding imagefolder images, not digits"):
+        prepare_digits(pets, img_size=8)
+
+
 def test_prepare_digits_never_overwrites_a_file_it_did_not_write(tmp_path):
     (tmp_path / "mine.beton").write_bytes(b"someone's dataset")
     data = DataConfig(train=str(tmp_path / "mine.beton"), val=str(tmp_path / "val.beton"), prepare="digits")
