@@ -63,15 +63,18 @@ def train(cfg: ExperimentConfig, address: str | None = None, launched_at: float 
     mlflow_run = None
     try:
         run = interrupts.OnThread(check, "vitsweep-checks").result()
-        from pipeline.training.runs import check_resources, create_store, launch, open_mlflow_run, record_interrupt
+        from pipeline.training.runs import (check_resources, check_steps_per_epoch, create_store, launch,
+                                            open_mlflow_run, record_interrupt)
 
         if local:
             check_resources(run.cfg, local, local_ray_resources())
+            check_steps_per_epoch(run.cfg, run.data)
         creating = interrupts.OnThread(lambda: create_store(run), "vitsweep-store")
         start_ray(address)
         creating.result()
         if not local:
             check_resources(run.cfg, local, ray.cluster_resources())
+            check_steps_per_epoch(run.cfg, run.data)
         console = active_console()
         console.open_log(run.run_dir / LOG_FILE_NAME)
         console.line(f"training {run.run_name}: library output in {console.log_path}")

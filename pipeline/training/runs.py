@@ -77,6 +77,7 @@ class ResolvedData:
     train_sha256: str = ""  # from the sidecars: MLflow's dataset digests
     val_sha256: str = ""
     classes: tuple[str, ...] = ()  # the training set's class names, label order (its sidecar's)
+    train_samples: int | None = None  # the training set's images (its sidecar's)
 
 
 @dataclass(frozen=True)
@@ -169,14 +170,20 @@ def resolve_data(cfg: ExperimentConfig) -> ResolvedData:
         raise InvalidInputError(
             f"label {label} is class {train!r} in data.train but {val!r} in data.val ({len(named)} label(s) differ); "
             "write both splits with the same classes in the same order")
-    optim, workers, images = cfg.optim, cfg.scaling.num_workers, sidecars["train"].num_samples
-    if train_steps_per_epoch(images, cfg.data, optim.micro_batch_size, optim.grad_accum_steps, workers) < 1:
+    return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes, sidecars["train"].sha256,
+                        sidecars["val"].sha256, tuple(sidecars["train"].classes), sidecars["train"].num_samples)
+
+
+def check_steps_per_epoch(cfg: ExperimentConfig, data: ResolvedData) -> None:
+    """Each worker's share of the training set must make an optimizer step: its loader would have none to
+    train (checked once the workers are known to fit, so a machine too small for them says that first)."""
+    optim, workers, images = cfg.optim, cfg.scaling.num_workers, data.train_samples
+    if images is not None and train_steps_per_epoch(images, cfg.data, optim.micro_batch_size,
+                                                    optim.grad_accum_steps, workers) < 1:
         raise InvalidInputError(
             f"data.train's {images} images make no optimizer step on each of {workers} worker(s): a step takes "
             f"{optim.micro_batch_size} x {optim.grad_accum_steps} (optim.micro_batch_size x grad_accum_steps) of its "
             "share; lower them, use fewer workers, or write more images")
-    return ResolvedData(cfg.data.train, cfg.data.val, sidecars["train"].num_classes,
-                        sidecars["train"].sha256, sidecars["val"].sha256, tuple(sidecars["train"].classes))
 
 
 CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
