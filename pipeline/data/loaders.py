@@ -14,7 +14,6 @@ The first epoch of each Loader JIT-compiles its pipeline (seconds); later epochs
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path

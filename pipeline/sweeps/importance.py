@@ -60,7 +60,7 @@ def _distribution(dim: Dimension, grid: bool, values: list[Any]):
     rounds the repr size to its m), as may the 4-significant-digit rounding of a sample near a bound."""
     if grid or dim.kind == "values":
         return CategoricalDistribution(sorted({cell(v) for v in values})), cell
-    write = (lambda v: math.log10(v)) if dim.kind == "loguniform" else float
+    write = math.log10 if dim.kind == "loguniform" else float
     written = [write(v) for v in values]
     return FloatDistribution(min(write(dim.low), *written), max(write(dim.high), *written)), write
 
